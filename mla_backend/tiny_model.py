@@ -1,0 +1,321 @@
+"""Generator of tiny DeepSeek-V2-architecture checkpoints for tests, demos and benchmarks.
+
+``make_tiny_deepseek_v2(path, ...)`` writes a Hugging Face style model folder:
+
+* ``config.json``: a ``DeepseekV2Config`` (``model_type: deepseek_v2``,
+  ``architectures: ["DeepseekV2ForCausalLM"]``) that vLLM, SGLang and transformers load;
+* ``model.safetensors``: random weights under the original DeepSeek parameter names
+  (``model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight``, experts unfused, ...), drawn
+  with a fixed seed and scaled (``init_std``) so greedy generations are varied, not degenerate;
+* ``tokenizer.json`` / ``tokenizer_config.json``: a WordLevel tokenizer (whitespace
+  pre-tokenizer, one synthetic word per id, ``vocab_size`` entries) in the ``tokenizers``
+  library's JSON format, so engine benchmarks that need a tokenizer work;
+* ``generation_config.json``.
+
+Only ``torch``, ``safetensors`` and ``json`` are used (imported lazily); no engine, no
+transformers. CLI: ``python -m mla_backend.tiny_model OUT_DIR [--preset default|odd|moe]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PRESETS", "make_tiny_deepseek_v2", "synthetic_words", "main"]
+
+#: Named argument sets for :func:`make_tiny_deepseek_v2`.
+PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeek-V2-Lite attention dims: 16 heads, latent 512 + rope 64, nope 128, v 128.
+    "default": dict(num_heads=16, hidden_size=256, num_layers=2, kv_lora_rank=512,
+                    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                    q_lora_rank=None, moe=False),
+    # Non-DeepSeek dims: latent 96 + rope 32 (128 total, outside vLLM's 320/512/576),
+    # v_head_dim != nope, q_lora on.
+    "odd": dict(num_heads=4, hidden_size=128, num_layers=2, kv_lora_rank=96,
+                qk_rope_head_dim=32, qk_nope_head_dim=48, v_head_dim=40,
+                q_lora_rank=64, moe=False),
+    # MoE layers (first layer dense, the others routed + shared experts), q_lora on.
+    "moe": dict(num_heads=8, hidden_size=192, num_layers=3, kv_lora_rank=256,
+                qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                q_lora_rank=96, moe=True),
+}
+
+_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+_UNK_ID, _BOS_ID, _EOS_ID, _PAD_ID = 0, 1, 2, 3
+_ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t",
+           "v", "w", "z", "br", "ch", "dr", "fl", "gr", "kl", "pr", "sh", "st", "th", "tr")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou")
+
+
+def synthetic_words(n: int) -> list[str]:
+    """``n`` distinct lower-case pseudo-words (deterministic; special tokens excluded)."""
+    syllables = [o + v for o in _ONSETS for v in _VOWELS]  # 232 syllables
+    words: list[str] = []
+    length = 1
+    while len(words) < n:
+        # all words of `length` syllables, in a fixed order
+        idx = [0] * length
+        while len(words) < n:
+            words.append("".join(syllables[i] for i in idx))
+            k = length - 1
+            while k >= 0:
+                idx[k] += 1
+                if idx[k] < len(syllables):
+                    break
+                idx[k] = 0
+                k -= 1
+            if k < 0:
+                break
+        length += 1
+    return words
+
+
+def _tokenizer_json(vocab_size: int) -> dict[str, Any]:
+    """A ``tokenizers`` WordLevel tokenizer description with exactly ``vocab_size`` ids."""
+    words = list(_SPECIAL_TOKENS) + synthetic_words(vocab_size - len(_SPECIAL_TOKENS))
+    vocab = {w: i for i, w in enumerate(words)}
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, t in enumerate(_SPECIAL_TOKENS)
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    }
+
+
+def _config(
+    *, num_heads: int, hidden_size: int, num_layers: int, kv_lora_rank: int,
+    qk_rope_head_dim: int, qk_nope_head_dim: int, v_head_dim: int, q_lora_rank: int | None,
+    moe: bool, vocab_size: int, intermediate_size: int, moe_intermediate_size: int,
+    n_routed_experts: int, num_experts_per_tok: int, n_shared_experts: int,
+    max_position_embeddings: int, rope_theta: float, rope_scaling: dict[str, Any] | None,
+    init_std: float, dtype: str,
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "kv_lora_rank": kv_lora_rank,
+        "q_lora_rank": q_lora_rank,
+        "qk_rope_head_dim": qk_rope_head_dim,
+        "qk_nope_head_dim": qk_nope_head_dim,
+        "v_head_dim": v_head_dim,
+        "head_dim": qk_rope_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "initializer_range": init_std,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "pad_token_id": _PAD_ID,
+        "bos_token_id": _BOS_ID,
+        "eos_token_id": _EOS_ID,
+        "tie_word_embeddings": False,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": dtype,
+        # MoE fields are always present (DeepSeek configs carry them); n_routed_experts
+        # None means every layer is dense.
+        "moe_intermediate_size": moe_intermediate_size,
+        "n_routed_experts": n_routed_experts if moe else None,
+        "n_shared_experts": n_shared_experts if moe else None,
+        "num_experts_per_tok": num_experts_per_tok if moe else None,
+        "first_k_dense_replace": 1 if moe else num_layers,
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+        "aux_loss_alpha": 0.0,
+        "seq_aux": False,
+    }
+    return cfg
+
+
+def _weights(cfg: dict[str, Any], seed: int, init_std: float) -> dict[str, Any]:
+    """Random weights (fp32) under DeepSeek's original parameter names."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = init_std) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+
+    def norm_weight(n: int) -> torch.Tensor:
+        # RMSNorm gains near 1 (not exactly 1 so a missing norm would be noticed)
+        return 1.0 + normal(n, std=0.1)
+
+    hid, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    r, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    qk = nope + rope
+    inter, moe_inter = cfg["intermediate_size"], cfg["moe_intermediate_size"]
+    w: dict[str, torch.Tensor] = {}
+    w["model.embed_tokens.weight"] = normal(cfg["vocab_size"], hid, std=1.0)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_weight(hid)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(hid)
+        a = p + "self_attn."
+        if cfg["q_lora_rank"] is None:
+            w[a + "q_proj.weight"] = normal(heads * qk, hid)
+        else:
+            ql = cfg["q_lora_rank"]
+            w[a + "q_a_proj.weight"] = normal(ql, hid)
+            w[a + "q_a_layernorm.weight"] = norm_weight(ql)
+            w[a + "q_b_proj.weight"] = normal(heads * qk, ql)
+        w[a + "kv_a_proj_with_mqa.weight"] = normal(r + rope, hid)
+        w[a + "kv_a_layernorm.weight"] = norm_weight(r)
+        w[a + "kv_b_proj.weight"] = normal(heads * (nope + v), r)
+        w[a + "o_proj.weight"] = normal(hid, heads * v)
+        m = p + "mlp."
+        is_moe = cfg["n_routed_experts"] is not None and i >= cfg["first_k_dense_replace"]
+        if not is_moe:
+            w[m + "gate_proj.weight"] = normal(inter, hid)
+            w[m + "up_proj.weight"] = normal(inter, hid)
+            w[m + "down_proj.weight"] = normal(hid, inter)
+        else:
+            w[m + "gate.weight"] = normal(cfg["n_routed_experts"], hid)
+            for e in range(cfg["n_routed_experts"]):
+                x = f"{m}experts.{e}."
+                w[x + "gate_proj.weight"] = normal(moe_inter, hid)
+                w[x + "up_proj.weight"] = normal(moe_inter, hid)
+                w[x + "down_proj.weight"] = normal(hid, moe_inter)
+            sh = moe_inter * cfg["n_shared_experts"]
+            w[m + "shared_experts.gate_proj.weight"] = normal(sh, hid)
+            w[m + "shared_experts.up_proj.weight"] = normal(sh, hid)
+            w[m + "shared_experts.down_proj.weight"] = normal(hid, sh)
+    w["model.norm.weight"] = norm_weight(hid)
+    # lm_head scaled by 1/sqrt(hidden) so logits stay O(1-5): varied, non-degenerate argmax
+    w["lm_head.weight"] = normal(cfg["vocab_size"], hid, std=4.0 / math.sqrt(hid))
+    return w
+
+
+def make_tiny_deepseek_v2(
+    path: str | Path,
+    *,
+    num_heads: int = 16,
+    hidden_size: int = 256,
+    num_layers: int = 2,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    qk_nope_head_dim: int = 128,
+    v_head_dim: int = 128,
+    q_lora_rank: int | None = None,
+    moe: bool = False,
+    vocab_size: int = 10240,
+    intermediate_size: int | None = None,
+    moe_intermediate_size: int | None = None,
+    n_routed_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    n_shared_experts: int = 1,
+    max_position_embeddings: int = 16384,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    seed: int = 0,
+    init_std: float = 0.08,
+    dtype: str = "bfloat16",
+) -> Path:
+    """Write a tiny random DeepSeek-V2 model folder at ``path`` and return it.
+
+    The weights are drawn in fp32 from N(0, init_std^2) (embeddings N(0, 1), lm_head
+    N(0, 16/hidden), RMSNorm gains 1 + N(0, 0.01)) with ``torch.Generator`` seeded by
+    ``seed``, then stored as ``dtype`` ("bfloat16", "float16" or "float32"), so the same
+    arguments always give byte-identical files. ``vocab_size`` must be >= 10000 so
+    ``vllm bench latency`` (prompt ids < 10000) fits. ``rope_scaling`` is copied into the
+    config as is (e.g. a yarn dict). ``moe=True`` makes layer 0 dense and every later layer
+    a routed-MoE layer with ``n_routed_experts`` experts (top ``num_experts_per_tok``,
+    softmax gating) plus ``n_shared_experts`` shared experts.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    if vocab_size < 10000:
+        raise ValueError(f"vocab_size={vocab_size} must be >= 10000 (vllm bench latency ids)")
+    for name, val in (("num_heads", num_heads), ("hidden_size", hidden_size),
+                      ("num_layers", num_layers), ("kv_lora_rank", kv_lora_rank),
+                      ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
+        if val <= 0:
+            raise ValueError(f"{name}={val} must be positive")
+    if qk_rope_head_dim <= 0 or qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim={qk_rope_head_dim} must be positive and even")
+    if q_lora_rank is not None and q_lora_rank <= 0:
+        raise ValueError(f"q_lora_rank={q_lora_rank} must be positive or None")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "float32": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype={dtype!r} must be bfloat16, float16 or float32")
+
+    cfg = _config(
+        num_heads=num_heads, hidden_size=hidden_size, num_layers=num_layers,
+        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+        qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, q_lora_rank=q_lora_rank,
+        moe=moe, vocab_size=vocab_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        moe_intermediate_size=moe_intermediate_size or max(hidden_size // 2, 16),
+        n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok,
+        n_shared_experts=n_shared_experts, max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta, rope_scaling=rope_scaling, init_std=init_std, dtype=dtype,
+    )
+    weights = {k: t.to(torch_dtype).contiguous() for k, t in _weights(cfg, seed, init_std).items()}
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "tokenizer.json").write_text(json.dumps(_tokenizer_json(vocab_size)) + "\n")
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "model_max_length": max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    gen_cfg = {"bos_token_id": _BOS_ID, "eos_token_id": _EOS_ID, "pad_token_id": _PAD_ID}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``python -m mla_backend.tiny_model OUT_DIR [--preset NAME] [--seed N] [--dtype D]``."""
+    ap = argparse.ArgumentParser(prog="python -m mla_backend.tiny_model",
+                                 description="Write a tiny random DeepSeek-V2 model folder.")
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--vocab-size", type=int, default=10240)
+    args = ap.parse_args(argv)
+    kwargs = dict(PRESETS[args.preset])
+    if args.num_layers is not None:
+        kwargs["num_layers"] = args.num_layers
+    out = make_tiny_deepseek_v2(args.out_dir, seed=args.seed, dtype=args.dtype,
+                                vocab_size=args.vocab_size, **kwargs)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
