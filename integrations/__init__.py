@@ -1,0 +1,1 @@
+"""Engine adapters for mla-backend, installed as ``mla_backend_integrations``."""

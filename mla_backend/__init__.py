@@ -1,0 +1,44 @@
+"""mla-backend: DeepSeek multi-head latent attention (MLA) as the DeepSeek-V2 paper intends.
+
+Cache only the latent ``[c_kv ; k_pe]``; absorb ``W_UK`` into the query and apply ``W_UV``
+after attention for decode and short extends; decompress to plain MHA for long fresh
+prefills; choose per request with a cost-model policy. Engine-agnostic: imports torch (and
+triton where installed), never vLLM or SGLang.
+"""
+
+from . import reference
+from .attention import MLAAttention, absorbed_attention, check_cache, write_latent
+from .batch import MLABatch, Phase
+from .dims import MLADims, yarn_mscale, yarn_softmax_scale
+from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
+from .merge import merge_attention_states
+from .normal import normal_attention
+from .policy import PathChoice, Policy
+from .weights import AbsorbWeights, absorb_q, apply_W_UV, split_kv_b_proj
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8_DTYPE",
+    "AbsorbWeights",
+    "MLAAttention",
+    "MLABatch",
+    "MLADims",
+    "PathChoice",
+    "Phase",
+    "Policy",
+    "absorb_q",
+    "absorbed_attention",
+    "apply_W_UV",
+    "check_cache",
+    "dequantize_fp8",
+    "fp8_bmm",
+    "merge_attention_states",
+    "normal_attention",
+    "quantize_fp8",
+    "reference",
+    "split_kv_b_proj",
+    "write_latent",
+    "yarn_mscale",
+    "yarn_softmax_scale",
+]

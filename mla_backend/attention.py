@@ -1,0 +1,163 @@
+"""Public attention entry points: cache write, absorbed attention, and :class:`MLAAttention`.
+
+Like FlashMLA's interface: describe the step once (:class:`~mla_backend.batch.MLABatch`), then
+make one call per layer. The kernels come from the device seam (:mod:`mla_backend.ops`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .batch import MLABatch
+from .dims import MLADims
+from .fp8 import FP8_DTYPE
+from .normal import normal_attention
+from .ops import get_impl
+from .policy import PathChoice, Policy
+from .weights import AbsorbWeights, absorb_q, apply_W_UV
+
+logger = logging.getLogger("mla_backend")
+
+QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
+
+
+def check_cache(kv_cache: torch.Tensor, latent_dim: int, kv_scale: torch.Tensor | None) -> None:
+    """Validate a paged latent cache [num_pages, page_size, r + rope]."""
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != latent_dim:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} is not supported: expected "
+            f"[num_pages, page_size, {latent_dim}] (kv_lora_rank + qk_rope_head_dim)"
+        )
+    if kv_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype} is not supported; supported: "
+            "bfloat16, float16, float32, float8_e4m3fn"
+        )
+    if kv_scale is not None and kv_cache.dtype != FP8_DTYPE:
+        raise ValueError(f"kv_scale is only meaningful for an fp8 cache, not {kv_cache.dtype}")
+
+
+def write_latent(
+    kv_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    impl: str | None = None,
+) -> None:
+    """Write ``[c_kv ; k_pe]`` of T tokens into the paged cache (slot < 0 = padding, skipped).
+
+    Args:
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, in place.
+        c_kv: [T, r]; k_pe: [T, rope]; slot_mapping: [T] int32/int64 flat slot per token.
+        kv_scale: float32 scalar for an fp8 cache (stored = value / scale).
+    """
+    check_cache(kv_cache, c_kv.shape[-1] + k_pe.shape[-1], kv_scale)
+    get_impl(kv_cache.device, impl).write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
+
+
+def absorbed_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: MLABatch,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA (MQA over the shared latent) for decode and extend-onto-prefix.
+
+    Args:
+        q_lat: [T, H, r] = ``q_nope · W_UK``; q_pe: [T, H, rope] (rope may be 0);
+            bf16/fp16/fp32.
+        kv_cache: [num_pages, page_size, r + rope], already holding all kv tokens.
+        batch: the step's description; T == batch.num_tokens.
+        softmax_scale: scale of ``q·k``.
+        kv_scale: float32 scalar of an fp8 cache.
+    Returns:
+        (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32).
+    """
+    if q_lat.dtype not in QUERY_DTYPES:
+        raise ValueError(f"query dtype {q_lat.dtype} is not supported; use bf16, fp16 or fp32")
+    if q_lat.shape[0] != batch.num_tokens or q_pe.shape[:2] != q_lat.shape[:2]:
+        raise ValueError(
+            f"q_lat {tuple(q_lat.shape)} / q_pe {tuple(q_pe.shape)} do not match the batch's "
+            f"{batch.num_tokens} tokens"
+        )
+    check_cache(kv_cache, q_lat.shape[-1] + q_pe.shape[-1], kv_scale)
+    if kv_cache.shape[1] != batch.page_size:
+        raise ValueError(
+            f"kv_cache page size {kv_cache.shape[1]} != batch.page_size {batch.page_size}"
+        )
+    return get_impl(q_lat.device, impl).absorbed_attention(
+        q_lat, q_pe, kv_cache, batch, softmax_scale, kv_scale
+    )
+
+
+class MLAAttention:
+    """One MLA layer's attention core: policy + absorbed path + normal path.
+
+    ``attn(q_nope, q_pe, kv_cache, batch)`` returns ``[T, H, v]`` (before ``o_proj``). The
+    new tokens' latents must already be in ``kv_cache`` (:func:`write_latent`).
+    ``last_choice`` holds the most recent :class:`~mla_backend.policy.PathChoice`.
+    """
+
+    def __init__(
+        self,
+        dims: MLADims,
+        weights: AbsorbWeights,
+        softmax_scale: float | None = None,
+        policy: Policy | None = None,
+        impl: str | None = None,
+    ) -> None:
+        if weights.W_UK.shape != (dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank):
+            raise ValueError(
+                f"W_UK shape {tuple(weights.W_UK.shape)} does not match dims "
+                f"[H, nope, r] = [{dims.num_heads}, {dims.qk_nope_head_dim}, {dims.kv_lora_rank}]"
+            )
+        self.dims = dims
+        self.weights = weights
+        self.softmax_scale = softmax_scale if softmax_scale is not None else dims.default_softmax_scale
+        self.policy = policy if policy is not None else Policy.from_env()
+        self.impl = impl
+        self.last_choice: PathChoice | None = None
+
+    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                 batch: MLABatch, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Absorbed path: ``W_UV · attn([q_nope·W_UK ; q_pe], [c_kv ; k_pe])`` -> [T, H, v]."""
+        q_lat = absorb_q(q_nope, self.weights)
+        o_lat, _ = absorbed_attention(q_lat, q_pe, kv_cache, batch, self.softmax_scale,
+                                      kv_scale, self.impl)
+        return apply_W_UV(o_lat, self.weights)
+
+    def normal(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+               batch: MLABatch, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Normal path: decompress + causal MHA -> [T, H, v]."""
+        check_cache(kv_cache, self.dims.latent_dim, kv_scale)
+        o, _ = normal_attention(q_nope, q_pe, kv_cache, batch, self.weights, self.softmax_scale,
+                                kv_scale)
+        return o
+
+    def __call__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                 batch: MLABatch, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope] -> o [T, H, v] in q_nope's dtype."""
+        choice = self.policy.choose(batch, self.dims, q_nope.device.type)
+        self.last_choice = choice
+        mode = choice.batch_mode
+        if mode == "absorbed":
+            return self.absorbed(q_nope, q_pe, kv_cache, batch, kv_scale)
+        if mode == "normal":
+            return self.normal(q_nope, q_pe, kv_cache, batch, kv_scale)
+        out = torch.empty(q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim,
+                          dtype=q_nope.dtype, device=q_nope.device)
+        for flag, fn in ((True, self.absorbed), (False, self.normal)):
+            reqs = [i for i, a in enumerate(choice.use_absorbed) if a == flag]
+            rows = torch.tensor(batch.token_index(reqs), dtype=torch.long, device=q_nope.device)
+            if rows.numel() == 0:
+                continue
+            sub = batch.select(reqs)
+            out[rows] = fn(q_nope[rows], q_pe[rows], kv_cache, sub, kv_scale)
+        return out

@@ -1,0 +1,163 @@
+"""PyTorch implementation of the paged-latent-cache kernels (the CPU path, and the fallback).
+
+Absorbed attention is MQA over the shared latent key: every head of every new token of a
+request is one row of a single GEMM against the request's cached rows ``[c_kv ; k_pe]``
+(the query row is ``[q_lat ; q_pe]``, so ``q_lat·c_kv + q_pe·k_pe`` comes out of one matmul
+over the cache rows as stored: no per-head or concatenated K copy is ever made), and the value
+is the first ``r`` columns of the same rows. The KV axis is processed in bounded splits whose
+partial results are merged online through their log-sum-exp (flash-decoding), so memory stays
+bounded at any context length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import MLABatch
+from ..fp8 import FP8_DTYPE, FP8_MAX
+
+# Bound on one split's fp32 score tile (rows x kv tokens): 4M elements = 16 MiB.
+_MAX_TILE_ELEMENTS = 1 << 22
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLIT_TOKENS = 8192
+
+
+def write_latent(
+    kv_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Write new tokens' latents into the paged cache.
+
+    Args:
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn (in place).
+        c_kv: [T, r] normalized latent; k_pe: [T, rope] rotated shared rope key.
+        slot_mapping: [T] int; token t goes to page slot // page_size, row slot % page_size;
+            slots < 0 are padding and are not written.
+        kv_scale: float32 scalar for an fp8 cache (stored = value / scale).
+    """
+    T = c_kv.shape[0]
+    if T == 0:
+        return
+    D = kv_cache.shape[-1]
+    flat = kv_cache.view(-1, D)
+    slots = slot_mapping[:T].long()
+    row = torch.cat([c_kv, k_pe], dim=-1) if k_pe.shape[-1] else c_kv
+    if kv_cache.dtype == FP8_DTYPE:
+        s = kv_scale.float() if kv_scale is not None else torch.ones((), device=row.device)
+        row = (row.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+        flat = flat.view(torch.uint8)
+    else:
+        row = row.to(kv_cache.dtype)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, row = slots[valid], row[valid]
+    flat.index_copy_(0, slots, row)
+
+
+def gather_latent(
+    kv_cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int
+) -> torch.Tensor:
+    """Rows ``[start, end)`` of one request's logical latent sequence.
+
+    Args:
+        kv_cache: [num_pages, page_size, D].
+        block_row: [max_pages] int physical page per logical page.
+    Returns:
+        [end - start, D] in the cache dtype: a view when the pages are physically
+        consecutive, else a copy.
+    """
+    ps, D = kv_cache.shape[1], kv_cache.shape[2]
+    p0, p1 = start // ps, (end - 1) // ps + 1
+    pages = block_row[p0:p1].long()
+    first = int(pages[0])
+    if p1 - p0 == 1 or bool((pages[1:] - pages[:-1] == 1).all()):
+        rows = kv_cache[first : first + (p1 - p0)].reshape(-1, D)
+    else:
+        rows = kv_cache.index_select(0, pages).view(-1, D)
+    return rows[start - p0 * ps : end - p0 * ps]
+
+
+def _split_tokens(rows: int, kv_len: int) -> int:
+    """KV tokens per split: as large as the score-tile bound allows, within fixed limits."""
+    c = _MAX_TILE_ELEMENTS // max(rows, 1)
+    return max(_MIN_SPLIT_TOKENS, min(_MAX_SPLIT_TOKENS, c, kv_len))
+
+
+def absorbed_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: MLABatch,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention over the paged latent cache (decode and extend).
+
+    Args:
+        q_lat: [T, H, r] absorbed query (``q_nope · W_UK``), bf16/fp16/fp32.
+        q_pe: [T, H, rope] rotated rope query (rope may be 0).
+        kv_cache: [num_pages, page_size, r + rope]; must already hold every request's
+            ``prefix_lens[i] + new_lens[i]`` tokens.
+        batch: the step's :class:`MLABatch` (T == batch.num_tokens).
+        softmax_scale: applied to ``q·k``.
+        kv_scale: float32 scalar scale of an fp8 cache.
+    Returns:
+        o_lat: [T, H, r] in q_lat's dtype; lse: [T, H] float32 (natural log of the sum of
+        exp(scaled scores)).
+    """
+    T, H, r = q_lat.shape
+    rope = q_pe.shape[-1]
+    D = r + rope
+    if kv_cache.shape[-1] != D:
+        raise ValueError(
+            f"kv_cache row width {kv_cache.shape[-1]} != kv_lora_rank + rope = {r} + {rope}"
+        )
+    cd = q_lat.dtype
+    q = torch.cat([q_lat, q_pe.to(cd)], dim=-1) if rope else q_lat  # [T, H, D]: query only
+    o_lat = torch.empty(T, H, r, dtype=cd, device=q_lat.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q_lat.device)
+    kv_mult = float(kv_scale) if kv_scale is not None else 1.0
+    score_scale = softmax_scale * kv_mult
+    for i in range(batch.num_reqs):
+        n = batch.new_lens[i]
+        if n == 0:
+            continue
+        P = batch.prefix_lens[i]
+        L = P + n
+        t0 = batch.cu_new[i]
+        qi = q[t0 : t0 + n].reshape(n * H, D)
+        split = _split_tokens(n * H, L)
+        acc = m_acc = l_acc = None
+        block_row = batch.block_table[i]
+        for s in range(0, L, split):
+            e = min(L, s + split)
+            kv = gather_latent(kv_cache, block_row, s, e)
+            if kv.dtype != cd:
+                kv = kv.to(cd)
+            scores = torch.mm(qi, kv.t()).float().mul_(score_scale)  # [nH, c]
+            if e > P + 1 and n > 1:  # causal among the new tokens
+                pos = torch.arange(s, e, device=q.device)
+                limit = P + torch.arange(n, device=q.device)
+                mask = pos[None, :] > limit[:, None]  # [n, c]
+                scores.view(n, H, e - s).masked_fill_(mask[:, None, :], float("-inf"))
+            m = scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)
+            p = torch.exp_(scores.sub_(m))
+            l = p.sum(dim=-1, keepdim=True)
+            o = torch.mm(p.to(cd), kv[:, :r]).float()
+            if acc is None:
+                acc, m_acc, l_acc = o, m, l
+            else:
+                m_new = torch.maximum(m_acc, m)
+                a, b = torch.exp(m_acc - m_new), torch.exp(m - m_new)
+                acc = acc.mul_(a).add_(o.mul_(b))
+                l_acc = l_acc.mul_(a).add_(l.mul_(b))
+                m_acc = m_new
+        out = acc.div_(l_acc)
+        if kv_mult != 1.0:
+            out.mul_(kv_mult)
+        o_lat[t0 : t0 + n] = out.view(n, H, r).to(cd)
+        lse[t0 : t0 + n] = (m_acc + torch.log(l_acc)).view(n, H)
+    return o_lat, lse

@@ -1,0 +1,185 @@
+"""Which path serves which request: the ``no_absorb()`` policy family.
+
+Modes (one setting: ``Policy(mode=...)`` or the ``MLA_BACKEND_POLICY`` environment variable):
+
+- ``cost`` (default): per request, estimate the time of both paths from their FLOP and byte
+  counts at the layer's actual dims on a roofline (``max(flops / peak, bytes / bandwidth)``)
+  and take the cheaper one. Absorbed attention costs ``N·(P+N)·H·(2r+rope)`` MACs plus the
+  two absorption bmms; normal costs decompressing ``P+N`` latents (``(P+N)·H·r·(nope+v)``)
+  plus ``N·(P+N)·H·(nope+rope+v)`` MACs of attention, and writes/reads the decompressed K/V.
+- ``sglang``: SGLang's rule: the normal path only for a plain (non-speculative) EXTEND batch
+  with no cached prefix, or (chunked-prefix MHA) whose cached prefix is at least
+  ``chunked_prefix_threshold`` tokens; everything else absorbed. Per batch.
+- ``absorb`` / ``normal``: always one path (debugging).
+
+Decode tokens are always absorbed (there is nothing to gain from decompressing for one
+token), and speculative phases are absorbed in every mode but ``normal``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from .batch import MLABatch, Phase
+from .dims import MLADims
+
+logger = logging.getLogger("mla_backend.policy")
+
+MODES = ("cost", "sglang", "absorb", "normal")
+ENV_VAR = "MLA_BACKEND_POLICY"
+THRESHOLD_ENV_VAR = "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Roofline of a device: peak matmul FLOP/s for the compute dtype, and read bandwidth.
+
+    ``attn_efficiency`` is the fraction of peak the fused SDPA kernel of the normal path
+    reaches relative to the GEMMs of the absorbed path (measured: CPU flash SDPA is well
+    below a plain GEMM)."""
+
+    peak_flops: float
+    bandwidth: float
+    attn_efficiency: float = 1.0
+
+
+# Measured on the project's CPU machines (2 threads, bf16 AMX): see benchmarks/.
+CPU_PROFILE = DeviceProfile(peak_flops=0.57e12, bandwidth=7.8e9, attn_efficiency=0.5)
+# H800-class GPU (FlashMLA's published figures); unmeasured by us.
+GPU_PROFILE = DeviceProfile(peak_flops=660e12, bandwidth=3.0e12, attn_efficiency=0.6)
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Per-request decision of one batch."""
+
+    use_absorbed: list[bool]
+
+    @property
+    def batch_mode(self) -> str:
+        if all(self.use_absorbed):
+            return "absorbed"
+        if not any(self.use_absorbed):
+            return "normal"
+        return "mixed"
+
+
+def absorbed_cost(dims: MLADims, prefix: int, new: int, profile: DeviceProfile,
+                  elt: int = 2) -> float:
+    """Roofline seconds of the absorbed path for one request (P cached, N new tokens)."""
+    H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    kv_avg = prefix + (new + 1) / 2  # causal among the new tokens
+    flops = 2 * new * kv_avg * H * (2 * r + rope)
+    flops += 2 * new * H * r * (dims.qk_nope_head_dim + dims.v_head_dim)  # W_UK, W_UV bmms
+    bytes_ = (prefix + new) * (r + rope) * elt + H * r * (dims.qk_nope_head_dim + dims.v_head_dim) * elt
+    return max(flops / profile.peak_flops, bytes_ / profile.bandwidth)
+
+
+def normal_cost(dims: MLADims, prefix: int, new: int, profile: DeviceProfile,
+                elt: int = 2) -> float:
+    """Roofline seconds of the normal (decompress + MHA) path for one request."""
+    H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    nope, v = dims.qk_nope_head_dim, dims.v_head_dim
+    kv = prefix + new
+    kv_avg = prefix + (new + 1) / 2
+    decomp_flops = 2 * kv * H * r * (nope + v)
+    attn_flops = 2 * new * kv_avg * H * (nope + rope + v)
+    bytes_ = kv * (r + rope) * elt + 2 * kv * H * (nope + rope + v) * elt
+    t_flops = decomp_flops / profile.peak_flops + attn_flops / (
+        profile.peak_flops * profile.attn_efficiency
+    )
+    return max(t_flops, bytes_ / profile.bandwidth)
+
+
+class Policy:
+    """Chooses absorbed vs normal per request (``choose``) or per batch
+    (``batch_uses_normal``, SGLang's ``no_absorb()`` question)."""
+
+    def __init__(
+        self,
+        mode: str = "cost",
+        chunked_prefix_threshold: int = 8192,
+        profile: DeviceProfile | None = None,
+    ) -> None:
+        mode = mode.strip().lower()
+        if mode not in MODES:
+            raise ValueError(
+                f"MLA policy mode {mode!r} is not supported; supported: {', '.join(MODES)}"
+            )
+        if chunked_prefix_threshold < 0:
+            raise ValueError(f"chunked_prefix_threshold={chunked_prefix_threshold} must be >= 0")
+        self.mode = mode
+        self.chunked_prefix_threshold = chunked_prefix_threshold
+        self.profile = profile
+
+    @classmethod
+    def from_env(cls, default: str = "cost") -> Policy:
+        """``MLA_BACKEND_POLICY`` (cost|sglang|absorb|normal) and
+        ``MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD`` (tokens, default 8192)."""
+        raw = os.environ.get(THRESHOLD_ENV_VAR, "8192")
+        try:
+            threshold = int(raw)
+        except ValueError:
+            raise ValueError(f"{THRESHOLD_ENV_VAR}={raw!r} is not an integer") from None
+        return cls(os.environ.get(ENV_VAR, default), threshold)
+
+    def __repr__(self) -> str:
+        return f"Policy(mode={self.mode!r}, chunked_prefix_threshold={self.chunked_prefix_threshold})"
+
+    def _profile(self, device_type: str) -> DeviceProfile:
+        if self.profile is not None:
+            return self.profile
+        return CPU_PROFILE if device_type == "cpu" else GPU_PROFILE
+
+    def request_uses_absorbed(self, dims: MLADims, prefix: int, new: int, phase: Phase,
+                              device_type: str = "cpu") -> bool:
+        """Per-request decision for ``cost``/``absorb``/``normal`` modes."""
+        if self.mode == "absorb":
+            return True
+        if self.mode == "normal":
+            return False
+        if new <= 1 or phase.speculative:
+            return True
+        prof = self._profile(device_type)
+        return absorbed_cost(dims, prefix, new, prof) <= normal_cost(dims, prefix, new, prof)
+
+    def batch_uses_normal(self, batch: MLABatch, dims: MLADims, device_type: str = "cpu") -> bool:
+        """The per-batch ``no_absorb()`` answer: True if the whole batch should go normal."""
+        if batch.num_reqs == 0 or batch.phase is Phase.IDLE:
+            return False
+        if self.mode == "sglang":
+            if batch.phase is not Phase.EXTEND:
+                return False
+            total_prefix = sum(batch.prefix_lens)
+            return total_prefix == 0 or total_prefix >= self.chunked_prefix_threshold
+        if self.mode in ("absorb", "normal"):
+            return self.mode == "normal"
+        if batch.phase.speculative or batch.phase is Phase.DECODE:
+            return False
+        prof = self._profile(device_type)
+        a = sum(absorbed_cost(dims, p, n, prof) for p, n in zip(batch.prefix_lens, batch.new_lens,
+                                                                 strict=True))
+        m = sum(normal_cost(dims, p, n, prof) for p, n in zip(batch.prefix_lens, batch.new_lens,
+                                                               strict=True))
+        return m < a
+
+    def choose(self, batch: MLABatch, dims: MLADims, device_type: str = "cpu") -> PathChoice:
+        """Per-request decision (``sglang`` mode decides for the whole batch)."""
+        if self.mode == "sglang":
+            normal = self.batch_uses_normal(batch, dims, device_type)
+            choice = PathChoice([not normal] * batch.num_reqs)
+        else:
+            choice = PathChoice(
+                [
+                    self.request_uses_absorbed(dims, p, n, batch.phase, device_type)
+                    for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
+                ]
+            )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "mla policy %s: phase=%s prefix=%s new=%s -> %s", self.mode, batch.phase.value,
+                batch.prefix_lens, batch.new_lens, choice.batch_mode,
+            )
+        return choice

@@ -1,0 +1,63 @@
+"""The oracle: the DeepSeek-V2 paper's decompressed MLA attention, written plainly in fp32.
+
+It takes the raw ``kv_b_proj`` weight and contiguous per-request latents, and does its own
+split, decompression, causal mask and softmax from the formulas (appendix C of the paper),
+calling nothing else in this package. Tests compare every fast path against it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv_seqs: list[torch.Tensor],
+    k_pe_seqs: list[torch.Tensor],
+    kv_b_weight: torch.Tensor,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    new_lens: list[int],
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Decompressed causal MHA for a ragged batch.
+
+    Args:
+        q_nope: [T, H, nope]; q_pe: [T, H, rope] (any float dtype; computed in fp32).
+        c_kv_seqs: per request [L_i, r] latents of the whole sequence (prefix + new).
+        k_pe_seqs: per request [L_i, rope] rotated shared rope keys.
+        kv_b_weight: [H*(nope+v), r] dequantized ``kv_b_proj`` weight.
+        new_lens: per request number of new (query) tokens, which are the last ones of
+            the sequence; query rows are packed in request order.
+        softmax_scale: defaults to 1/sqrt(nope + rope).
+    Returns:
+        [T, H, v] float32.
+    """
+    T, H, nope = q_nope.shape
+    rope = q_pe.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(nope + rope)
+    w = kv_b_weight.float().reshape(H, nope + v_head_dim, -1)
+    w_k, w_v = w[:, :nope, :], w[:, nope:, :]
+    out = torch.zeros(T, H, v_head_dim)
+    row = 0
+    for c_kv, k_pe, n in zip(c_kv_seqs, k_pe_seqs, new_lens, strict=True):
+        L = c_kv.shape[0]
+        ckv = c_kv.float().cpu()
+        kpe = k_pe.float().cpu()
+        k_nope = torch.einsum("lr,hdr->hld", ckv, w_k.cpu())  # [H, L, nope]
+        v = torch.einsum("lr,hdr->hld", ckv, w_v.cpu())  # [H, L, v]
+        k = torch.cat([k_nope, kpe.unsqueeze(0).expand(H, L, rope)], dim=-1)
+        q = torch.cat([q_nope[row : row + n].float().cpu(), q_pe[row : row + n].float().cpu()], -1)
+        q = q.transpose(0, 1)  # [H, n, nope + rope]
+        scores = torch.matmul(q, k.transpose(1, 2)) * softmax_scale  # [H, n, L]
+        qpos = torch.arange(L - n, L).unsqueeze(1)
+        kpos = torch.arange(L).unsqueeze(0)
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[row : row + n] = torch.matmul(probs, v).transpose(0, 1)
+        row += n
+    return out

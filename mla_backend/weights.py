@@ -1,0 +1,154 @@
+"""The split of ``kv_b_proj`` into ``W_UK`` and ``W_UV``, and the two absorption bmms.
+
+``kv_b_proj.weight`` is [H*(nope+v), r]; viewed as [H, nope+v, r], ``W_UK = w[:, :nope]``
+([H, nope, r]) and ``W_UV = w[:, nope:]``. We keep ``W_UV`` transposed as [H, r, v] so that
+``o = bmm(o_lat, W_UV)`` needs no transpose at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .dims import MLADims
+from .fp8 import FP8_DTYPE, fp8_bmm
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class AbsorbWeights:
+    """Per-layer absorption weights.
+
+    Attributes:
+        W_UK: [H, nope, r] (compute dtype, or float8_e4m3fn when ``fp8``).
+        W_UV: [H, r, v] (compute dtype, or float8_e4m3fn when ``fp8``).
+        W_UK_scale / W_UV_scale: float32 [] or [H, 1, 1] weight scales (fp8 only).
+        kv_b: [H*(nope+v), r] dequantized kv_b_proj weight, used to decompress ``c_kv``
+            on the normal path.
+    """
+
+    W_UK: torch.Tensor
+    W_UV: torch.Tensor
+    kv_b: torch.Tensor
+    W_UK_scale: torch.Tensor | None = None
+    W_UV_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.W_UK.dtype == FP8_DTYPE
+
+
+def _expand_block_scale(
+    scale: torch.Tensor, shape: tuple[int, int], weight_name: str
+) -> torch.Tensor:
+    """A weight scale ([] / [1] per tensor, [rows] / [rows, 1] per channel, or a 2-D block grid)
+    expanded to ``shape`` [rows, cols] float32."""
+    rows, cols = shape
+    s = scale.float()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(rows, cols)
+    if s.dim() == 1 and s.numel() == rows or s.dim() == 2 and s.shape == (rows, 1):
+        return s.reshape(rows, 1).expand(rows, cols)
+    if s.dim() == 2:
+        br = -(-rows // s.shape[0])
+        bc = -(-cols // s.shape[1])
+        if -(-rows // br) == s.shape[0] and -(-cols // bc) == s.shape[1]:
+            return s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    raise ValueError(
+        f"{weight_name} scale of shape {tuple(scale.shape)} is not supported for a weight of "
+        f"shape {shape}: use a per-tensor, per-output-channel or 2-D block scale"
+    )
+
+
+def split_kv_b_proj(
+    weight: torch.Tensor,
+    dims: MLADims,
+    weight_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    keep_fp8: bool = False,
+) -> AbsorbWeights:
+    """Split ``kv_b_proj.weight`` into ``W_UK`` [H, nope, r] and ``W_UV`` [H, r, v].
+
+    Args:
+        weight: [H*(nope+v), r], bf16/fp16/fp32, or float8_e4m3fn with ``weight_scale``.
+        dims: the layer's dims (H = heads on this rank).
+        weight_scale: fp8 only: per-tensor, per-row or 2-D block scale (value = stored * scale).
+        dtype: compute dtype of the result; defaults to the weight's (bf16 for fp8 weights).
+        keep_fp8: keep ``W_UK``/``W_UV`` in float8_e4m3fn with per-head scales for the fp8
+            bmm branch (the weight must then be fp8, or it is quantized per head here).
+    """
+    H, nope, v, r = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
+    expected = (H * (nope + v), r)
+    if tuple(weight.shape) != expected:
+        raise ValueError(
+            f"kv_b_proj weight shape {tuple(weight.shape)} does not match dims: expected "
+            f"[H*(nope+v), r] = {list(expected)} for H={H}, nope={nope}, v={v}, r={r}"
+        )
+    if weight.dtype == FP8_DTYPE:
+        if weight_scale is None:
+            raise ValueError("kv_b_proj weight is float8_e4m3fn but no weight_scale was given")
+        full = weight.float() * _expand_block_scale(weight_scale, expected, "kv_b_proj")
+        out_dtype = dtype or torch.bfloat16
+    elif weight.dtype in _FLOAT_DTYPES:
+        if weight_scale is not None:
+            raise ValueError(f"weight_scale given for a {weight.dtype} kv_b_proj weight")
+        full = weight.float()
+        out_dtype = dtype or weight.dtype
+    else:
+        raise ValueError(
+            f"kv_b_proj weight dtype {weight.dtype} is not supported; supported: "
+            "bfloat16, float16, float32, float8_e4m3fn (with a scale)"
+        )
+    if out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"compute dtype {out_dtype} is not supported; use bf16, fp16 or fp32")
+    w = full.view(H, nope + v, r)
+    w_uk = w[:, :nope, :]  # [H, nope, r]
+    w_uv = w[:, nope:, :].transpose(1, 2)  # [H, r, v]
+    kv_b = full.to(out_dtype)
+    if not keep_fp8:
+        return AbsorbWeights(
+            W_UK=w_uk.to(out_dtype).contiguous(), W_UV=w_uv.to(out_dtype).contiguous(), kv_b=kv_b
+        )
+    from .fp8 import FP8_MAX
+
+    def per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = (x.abs().amax(dim=(1, 2), keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        return (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous(), s
+
+    uk, uk_s = per_head(w_uk)
+    uv, uv_s = per_head(w_uv)
+    return AbsorbWeights(W_UK=uk, W_UV=uv, kv_b=kv_b, W_UK_scale=uk_s, W_UV_scale=uv_s)
+
+
+def absorb_q(q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+    """``q_lat = q_nope · W_UK`` per head.
+
+    Args:
+        q_nope: [T, H, nope] bf16/fp16/fp32.
+    Returns:
+        q_lat: [T, H, r], dtype of q_nope.
+    """
+    x = q_nope.transpose(0, 1)  # [H, T, nope]
+    if weights.fp8:
+        y = fp8_bmm(x, weights.W_UK, weights.W_UK_scale, out_dtype=q_nope.dtype)
+    else:
+        y = torch.bmm(x, weights.W_UK.to(q_nope.dtype))
+    return y.transpose(0, 1)
+
+
+def apply_W_UV(o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+    """``o = o_lat · W_UV`` per head.
+
+    Args:
+        o_lat: [T, H, r].
+    Returns:
+        o: [T, H, v], dtype of o_lat.
+    """
+    x = o_lat.transpose(0, 1)  # [H, T, r]
+    if weights.fp8:
+        y = fp8_bmm(x, weights.W_UV, weights.W_UV_scale, out_dtype=o_lat.dtype)
+    else:
+        y = torch.bmm(x, weights.W_UV.to(o_lat.dtype))
+    return y.transpose(0, 1)
