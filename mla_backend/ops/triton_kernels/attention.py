@@ -1,0 +1,246 @@
+"""Triton kernels: paged split-KV absorbed MLA attention (decode + extend) and the LSE merge.
+
+Absorbed MLA is MQA over one shared latent key per kv token, row ``[c_kv (r) ; k_pe (rope)]``
+of the paged cache; the first ``r`` columns are also the value. For a query row
+``(q_lat [r], q_pe [rope])``::
+
+    score(n) = softmax_scale * (q_lat . c_kv[n] + q_pe . k_pe[n])     (two dots, no concat)
+    o_lat    = sum_n softmax(score)(n) * c_kv[n]
+
+``absorbed_attn_kernel``: one program = one block of query rows of ONE request
+(``BLOCK_Q`` consecutive new tokens x ``BLOCK_H`` heads, flattened into ``BLOCK_Q*BLOCK_H``
+rows so every latent row loaded serves all of them) x one KV split. It walks the split's kv
+positions ``BLOCK_N`` at a time through the block table, runs an online softmax in base 2,
+and writes the split's normalized partial output and natural-log LSE. Causality: row
+``(token j, head h)`` sees kv positions ``< prefix + j + 1``; a row that sees nothing in a split
+writes output 0 and LSE -inf. A decode is the ``BLOCK_Q = 1`` special case of the same code.
+
+``merge_splits_kernel``: one program = one token x ``BLOCK_H`` heads; combines the splits'
+``(o_s, lse_s)`` by ``o = sum_s exp(lse_s - lse) o_s`` with ``lse = logsumexp_s lse_s``.
+
+fp8 e4m3 caches: rows are converted to the dot dtype unscaled (exact for e4m3 -> bf16/fp16)
+and the per-tensor scale is applied once to the scores and once to the output.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a [M, K] @ b [K, N] -> fp32; IEEE keeps fp32 inputs out of TF32 on NVIDIA GPUs."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def absorbed_attn_kernel(
+    q_lat_ptr,  # [T, H, r]
+    q_pe_ptr,  # [T, H, rope] (unused when not HAS_ROPE)
+    kv_ptr,  # [P, page_size, r + rope]
+    block_table_ptr,  # [B, max_pages] int32/int64
+    prefix_lens_ptr,  # [B] int32
+    new_lens_ptr,  # [B] int32
+    cu_new_ptr,  # [B + 1] int32
+    blk_req_ptr,  # [num_q_blocks] int32: request of each query block
+    blk_q0_ptr,  # [num_q_blocks] int32: first new-token index (within the request)
+    kv_scale_ptr,  # [] float32 (read only when HAS_SCALE)
+    out_ptr,  # [T, H, (splits,) r]: final o_lat (q dtype) or fp32 partials
+    lse_ptr,  # [T, H, (splits)] float32
+    num_heads,
+    r_dim,
+    rope_dim,
+    page_size,
+    num_splits,
+    qk_scale_log2,  # softmax_scale * log2(e)
+    stride_qlt,
+    stride_qlh,
+    stride_qpt,
+    stride_qph,
+    stride_kvp,
+    stride_kvs,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_ROPE: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # dtype fed to tl.dot (q's dtype; fp32 under the interpreter for bf16)
+    P_DTYPE: tl.constexpr,  # probabilities are rounded to q's dtype before P @ V, as on GPU
+    IEEE: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+
+    req = tl.load(blk_req_ptr + pid_b)
+    q0 = tl.load(blk_q0_ptr + pid_b)
+    prefix = tl.load(prefix_lens_ptr + req)
+    n_new = tl.load(new_lens_ptr + req)
+    tok0 = tl.load(cu_new_ptr + req)
+    kv_len = prefix + n_new
+
+    offs_m = tl.arange(0, BLOCK_M)
+    qj = q0 + offs_m // BLOCK_H  # new-token index within the request
+    head = pid_h * BLOCK_H + offs_m % BLOCK_H
+    row_ok = (qj < n_new) & (head < num_heads)
+    tok = (tok0 + qj).to(tl.int64)
+    head64 = head.to(tl.int64)
+    row_end = prefix + qj + 1  # causal bound (exclusive) of each row
+
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < r_dim
+    q_lat = tl.load(
+        q_lat_ptr + tok[:, None] * stride_qlt + head64[:, None] * stride_qlh + offs_r[None, :],
+        mask=row_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    offs_p = tl.arange(0, BLOCK_ROPE)
+    p_ok = offs_p < rope_dim
+    if HAS_ROPE:
+        q_pe = tl.load(
+            q_pe_ptr + tok[:, None] * stride_qpt + head64[:, None] * stride_qph + offs_p[None, :],
+            mask=row_ok[:, None] & p_ok[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
+
+    qk_scale = qk_scale_log2
+    if HAS_SCALE:
+        kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
+        qk_scale = qk_scale * kv_scale
+
+    # This split's kv range: same chunking for every query block of the request, clipped to
+    # what the block's last token can see.
+    blk_end = tl.minimum(prefix + q0 + BLOCK_Q, kv_len)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, blk_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_btb
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        n_ok = offs_n < end
+        page = tl.load(bt_row + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
+        rows = kv_ptr + page * stride_kvp + (offs_n % page_size).to(tl.int64) * stride_kvs
+        kv = tl.load(
+            rows[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
+        ).to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
+        s = _dot(q_lat, tl.trans(kv), IEEE)
+        if HAS_ROPE:
+            k_pe = tl.load(
+                rows[:, None] + r_dim + offs_p[None, :],
+                mask=n_ok[:, None] & p_ok[None, :],
+                other=0.0,
+            ).to(DOT_DTYPE)
+            s += _dot(q_pe, tl.trans(k_pe), IEEE)
+        s = s * qk_scale
+        visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(P_DTYPE).to(DOT_DTYPE), kv, IEEE)
+        m_i = m_new
+
+    if HAS_SCALE:
+        acc = acc * kv_scale
+    has_mass = l_i > 0.0
+    l_safe = tl.where(has_mass, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    o_ptrs = (
+        out_ptr
+        + tok[:, None] * stride_ot
+        + head64[:, None] * stride_oh
+        + pid_s * stride_os
+        + offs_r[None, :]
+    )
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+    tl.store(lse_ptr + tok * stride_lt + head64 * stride_lh + pid_s * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_o_ptr,  # [T, H, S, r] float32
+    part_lse_ptr,  # [T, H, S] float32
+    out_ptr,  # [T, H, r] q dtype
+    lse_ptr,  # [T, H] float32
+    num_heads,
+    r_dim,
+    num_splits,
+    stride_pot,
+    stride_poh,
+    stride_pos,
+    stride_plt,
+    stride_plh,
+    stride_pls,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    heads = heads.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = h_ok[:, None] & (offs_r < r_dim)[None, :]
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(
+            part_lse_ptr + t * stride_plt + heads * stride_plh + s * stride_pls,
+            mask=h_ok,
+            other=float("-inf"),
+        )
+        o_s = tl.load(
+            part_o_ptr
+            + t * stride_pot
+            + heads[:, None] * stride_poh
+            + s * stride_pos
+            + offs_r[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        m_new = tl.maximum(m, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        w = tl.exp(lse_s - m_use)
+        l_sum = l_sum * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        m = m_new
+
+    has_mass = l_sum > 0.0
+    l_safe = tl.where(has_mass, l_sum, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_mass, m + tl.log(l_safe), float("-inf"))
+    tl.store(
+        out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_r[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=h_ok)

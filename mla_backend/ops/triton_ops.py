@@ -1,0 +1,299 @@
+"""Triton implementation of the paged-latent-cache kernels (the GPU path: CUDA and ROCm).
+
+Same functions and signatures as :mod:`mla_backend.ops.torch_ops` (the device seam in
+:mod:`mla_backend.ops` picks one module per device), plus keyword-only tuning knobs that
+tests use to force a split count or tile size:
+
+- :func:`write_latent`: one program per new token scatters ``[c_kv ; k_pe]`` into its slot.
+- :func:`absorbed_attention`: grouped-head paged attention over the latent cache (decode and
+  extend onto a prefix, ragged batches), split-KV partials merged by LSE in a second kernel.
+- :func:`fp8_bmm`: the fp8 absorption bmm through ``torch._scaled_mm`` (a thin wrapper over
+  :func:`mla_backend.fp8.fp8_bmm`).
+
+The kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how this project
+verifies them (no GPU here). The interpreter cannot ``tl.dot`` bfloat16 operands (it multiplies
+their raw bit patterns, triton-lang/triton#11584), so when interpreting, bf16 dot operands are
+widened to fp32 first; the products are identical (bf16 -> fp32 is exact) and the
+probabilities are still rounded to bf16 before ``P @ V`` as on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import fp8 as _fp8
+from ..batch import MLABatch
+from .triton_kernels import heuristics as hx
+from .triton_kernels.attention import absorbed_attn_kernel, merge_splits_kernel
+from .triton_kernels.cache_write import write_latent_kernel
+
+_TL_DTYPE = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, _fp8.FP8_DTYPE)
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def write_latent(
+    kv_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Write new tokens' latents into the paged cache (in place).
+
+    Args:
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn.
+        c_kv: [T, r] float; k_pe: [T, rope] float (rope may be 0).
+        slot_mapping: [>= T] int32/int64; token t goes to page ``slot // page_size``, row
+            ``slot % page_size``; slots < 0 are padding and are skipped.
+        kv_scale: float32 scalar; used for fp8 caches only (stored = value / scale, saturated
+            to +-448), ignored otherwise, as in the torch path.
+    """
+    T, r = c_kv.shape
+    rope = k_pe.shape[-1]
+    if T == 0:
+        return
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != r + rope:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not hold rows of r + rope = {r} + {rope}"
+        )
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    c_kv = _last_dim_contiguous(c_kv)
+    k_pe = _last_dim_contiguous(k_pe)
+    slots = slot_mapping[:T]
+    if not slots.is_contiguous():
+        slots = slots.contiguous()
+    is_fp8 = kv_cache.dtype == _fp8.FP8_DTYPE
+    has_scale = is_fp8 and kv_scale is not None
+    scale = kv_scale.float().reshape(()) if has_scale else c_kv
+    write_latent_kernel[(T,)](
+        kv_cache,
+        c_kv,
+        k_pe,
+        slots,
+        scale,
+        r,
+        rope,
+        kv_cache.shape[1],
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        c_kv.stride(0),
+        k_pe.stride(0) if rope else 0,
+        BLOCK_R=hx.dim_block(r),
+        BLOCK_ROPE=hx.dim_block(rope),
+        HAS_ROPE=rope > 0,
+        HAS_SCALE=has_scale,
+        SATURATE=is_fp8,
+        FP8_MAX=_fp8.FP8_MAX,
+    )
+
+
+def _query_blocks(batch: MLABatch, block_q: int, device: torch.device) -> torch.Tensor:
+    """[2, num_q_blocks] int32 on ``device``: (request, first new token) of each query block.
+
+    Cached on the batch (per layer calls reuse it: one host->device copy per step).
+    """
+    key = ("triton_qblocks", str(device), block_q)
+    cache = batch._device_cache
+    if key not in cache:
+        reqs: list[int] = []
+        starts: list[int] = []
+        for i, n in enumerate(batch.new_lens):
+            for q0 in range(0, n, block_q):
+                reqs.append(i)
+                starts.append(q0)
+        cache[key] = torch.tensor([reqs, starts], dtype=torch.int32, device=device)
+    return cache[key]
+
+
+def absorbed_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: MLABatch,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    *,
+    num_kv_splits: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention over the paged latent cache (decode and extend), in Triton.
+
+    Args:
+        q_lat: [T, H, r] absorbed query (``q_nope · W_UK``), bf16/fp16/fp32.
+        q_pe: [T, H, rope] rotated rope query (rope may be 0).
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn; holds every
+            request's ``prefix_lens[i] + new_lens[i]`` tokens.
+        batch: the step's :class:`MLABatch` (T == batch.num_tokens).
+        softmax_scale: applied to ``q·k``.
+        kv_scale: float32 scalar: cached values are ``stored * kv_scale`` (fp8 caches).
+        num_kv_splits: force the split count (default: :func:`heuristics.choose_num_splits`).
+        block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
+    Returns:
+        o_lat: [T, H, r] in q_lat's dtype; lse: [T, H] float32 (natural log).
+    """
+    T, H, r = q_lat.shape
+    rope = q_pe.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != r + rope:
+        raise ValueError(
+            f"kv_cache row width {kv_cache.shape[-1]} != kv_lora_rank + rope = {r} + {rope}"
+        )
+    if q_pe.shape[:2] != (T, H):
+        raise ValueError(f"q_pe shape {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}")
+    if T != batch.num_tokens:
+        raise ValueError(f"q_lat has {T} tokens but the batch has {batch.num_tokens}")
+    if q_lat.dtype not in _TL_DTYPE:
+        raise ValueError(f"q_lat dtype {q_lat.dtype} is not supported")
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    device = q_lat.device
+    cd = q_lat.dtype
+    o_lat = torch.empty(T, H, r, dtype=cd, device=device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=device)
+    if T == 0 or H == 0:
+        return o_lat, lse
+    q_lat = _last_dim_contiguous(q_lat)
+    q_pe = _last_dim_contiguous(q_pe.to(cd)) if rope else q_lat
+
+    block_q, block_h = hx.attention_tiles(H, max(batch.new_lens))
+    block_r = hx.dim_block(r)
+    block_rope = hx.dim_block(rope)
+    if block_n is None:
+        block_n = hx.kv_block(block_r)
+    if block_n < hx.MIN_DOT_DIM or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n} must be a power of two >= {hx.MIN_DOT_DIM}")
+    qblocks = _query_blocks(batch, block_q, device)
+    num_q_blocks = qblocks.shape[1]
+    num_h_blocks = triton.cdiv(H, block_h)
+    if num_kv_splits is None:
+        num_kv_splits = hx.choose_num_splits(
+            num_q_blocks * num_h_blocks, batch.max_kv_len, hx.sm_count(device)
+        )
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
+    meta = batch.device_tensors(device)
+    block_table = batch.block_table
+    if block_table.device != device:
+        block_table = block_table.to(device)
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+
+    if num_kv_splits == 1:
+        out, out_lse = o_lat, lse
+        so = (o_lat.stride(0), o_lat.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1), 0)
+    else:
+        out = torch.empty(T, H, num_kv_splits, r, dtype=torch.float32, device=device)
+        out_lse = torch.empty(T, H, num_kv_splits, dtype=torch.float32, device=device)
+        so = (out.stride(0), out.stride(1), out.stride(2))
+        sl = (out_lse.stride(0), out_lse.stride(1), out_lse.stride(2))
+
+    dot_dtype = cd
+    if hx.interpreting() and cd == torch.bfloat16:
+        dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
+    has_scale = kv_scale is not None
+    scale = kv_scale.float().reshape(()) if has_scale else lse
+
+    grid = (num_q_blocks, num_h_blocks, num_kv_splits)
+    absorbed_attn_kernel[grid](
+        q_lat,
+        q_pe,
+        kv_cache,
+        block_table,
+        meta["prefix_lens"],
+        meta["new_lens"],
+        meta["cu_new"],
+        qblocks[0],
+        qblocks[1],
+        scale,
+        out,
+        out_lse,
+        H,
+        r,
+        rope,
+        batch.page_size,
+        num_kv_splits,
+        float(softmax_scale) * _LOG2E,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        *so,
+        *sl,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_ROPE=block_rope,
+        HAS_ROPE=rope > 0,
+        HAS_SCALE=has_scale,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        P_DTYPE=_TL_DTYPE[cd],
+        IEEE=dot_dtype == torch.float32,
+        num_warps=4,
+    )
+    if num_kv_splits > 1:
+        merge_block_h = min(hx.next_pow2(H), 16)
+        merge_splits_kernel[(T, triton.cdiv(H, merge_block_h))](
+            out,
+            out_lse,
+            o_lat,
+            lse,
+            H,
+            r,
+            num_kv_splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            out_lse.stride(0),
+            out_lse.stride(1),
+            out_lse.stride(2),
+            o_lat.stride(0),
+            o_lat.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+            BLOCK_H=merge_block_h,
+            BLOCK_R=block_r,
+            num_warps=4,
+        )
+    return o_lat, lse
+
+
+def fp8_bmm(
+    a: torch.Tensor,
+    b_fp8: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    per_token: bool = True,
+) -> torch.Tensor:
+    """fp8 absorption bmm on the GPU path: always through ``torch._scaled_mm``.
+
+    Args:
+        a: [H, M, K] bf16/fp16/fp32 activation (quantized to e4m3 on the fly).
+        b_fp8: [H, K, N] float8_e4m3fn weight; b_scale: float32 [] or [H, 1, 1].
+        out_dtype: output dtype.
+        per_token: one activation scale per row (else per tensor).
+    Returns:
+        [H, M, N] out_dtype.
+    """
+    return _fp8.fp8_bmm(a, b_fp8, b_scale, out_dtype, per_token=per_token, use_scaled_mm=True)
