@@ -120,29 +120,51 @@ class MLAAttention:
             )
         self.dims = dims
         self.weights = weights
-        self.softmax_scale = softmax_scale if softmax_scale is not None else dims.default_softmax_scale
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else dims.default_softmax_scale
+        )
         self.policy = policy if policy is not None else Policy.from_env()
         self.impl = impl
         self.last_choice: PathChoice | None = None
 
-    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                 batch: MLABatch, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: MLABatch,
+        kv_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Absorbed path: ``W_UV · attn([q_nope·W_UK ; q_pe], [c_kv ; k_pe])`` -> [T, H, v]."""
         q_lat = absorb_q(q_nope, self.weights)
-        o_lat, _ = absorbed_attention(q_lat, q_pe, kv_cache, batch, self.softmax_scale,
-                                      kv_scale, self.impl)
+        o_lat, _ = absorbed_attention(
+            q_lat, q_pe, kv_cache, batch, self.softmax_scale, kv_scale, self.impl
+        )
         return apply_W_UV(o_lat, self.weights)
 
-    def normal(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-               batch: MLABatch, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def normal(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: MLABatch,
+        kv_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Normal path: decompress + causal MHA -> [T, H, v]."""
         check_cache(kv_cache, self.dims.latent_dim, kv_scale)
-        o, _ = normal_attention(q_nope, q_pe, kv_cache, batch, self.weights, self.softmax_scale,
-                                kv_scale)
+        o, _ = normal_attention(
+            q_nope, q_pe, kv_cache, batch, self.weights, self.softmax_scale, kv_scale
+        )
         return o
 
-    def __call__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                 batch: MLABatch, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: MLABatch,
+        kv_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope] -> o [T, H, v] in q_nope's dtype."""
         choice = self.policy.choose(batch, self.dims, q_nope.device.type)
         self.last_choice = choice
@@ -151,8 +173,13 @@ class MLAAttention:
             return self.absorbed(q_nope, q_pe, kv_cache, batch, kv_scale)
         if mode == "normal":
             return self.normal(q_nope, q_pe, kv_cache, batch, kv_scale)
-        out = torch.empty(q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim,
-                          dtype=q_nope.dtype, device=q_nope.device)
+        out = torch.empty(
+            q_nope.shape[0],
+            self.dims.num_heads,
+            self.dims.v_head_dim,
+            dtype=q_nope.dtype,
+            device=q_nope.device,
+        )
         for flag, fn in ((True, self.absorbed), (False, self.normal)):
             reqs = [i for i, a in enumerate(choice.use_absorbed) if a == flag]
             rows = torch.tensor(batch.token_index(reqs), dtype=torch.long, device=q_nope.device)

@@ -88,7 +88,9 @@ class MLABatch:
                 "expected [num_reqs, max_pages]"
             )
         if block_table.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"block_table dtype {block_table.dtype} is not supported; use int32/64")
+            raise ValueError(
+                f"block_table dtype {block_table.dtype} is not supported; use int32/64"
+            )
         max_pages = block_table.shape[1]
         for i, (a, b) in enumerate(zip(p, n, strict=True)):
             need = -(-(a + b) // page_size)
@@ -143,6 +145,7 @@ class MLABatch:
         """int32 device tensors for kernels (cached): prefix_lens, new_lens, cu_new, kv_lens."""
         key = str(device)
         if key not in self._device_cache:
+
             def t(x: list[int]) -> torch.Tensor:
                 return torch.tensor(x, dtype=torch.int32, device=device)
 

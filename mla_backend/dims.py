@@ -91,9 +91,7 @@ class MLADims:
                 ``qk_rope_head_dim``, ``v_head_dim``, optional ``q_lora_rank``, ``hidden_size``.
             num_heads: heads on this rank (tensor parallelism); defaults to all heads.
         """
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(
-            config, k, d
-        )
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
         missing = [
             k
             for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

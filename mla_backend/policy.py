@@ -66,19 +66,23 @@ class PathChoice:
         return "mixed"
 
 
-def absorbed_cost(dims: MLADims, prefix: int, new: int, profile: DeviceProfile,
-                  elt: int = 2) -> float:
+def absorbed_cost(
+    dims: MLADims, prefix: int, new: int, profile: DeviceProfile, elt: int = 2
+) -> float:
     """Roofline seconds of the absorbed path for one request (P cached, N new tokens)."""
     H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     kv_avg = prefix + (new + 1) / 2  # causal among the new tokens
     flops = 2 * new * kv_avg * H * (2 * r + rope)
     flops += 2 * new * H * r * (dims.qk_nope_head_dim + dims.v_head_dim)  # W_UK, W_UV bmms
-    bytes_ = (prefix + new) * (r + rope) * elt + H * r * (dims.qk_nope_head_dim + dims.v_head_dim) * elt
+    bytes_ = (prefix + new) * (r + rope) * elt + H * r * (
+        dims.qk_nope_head_dim + dims.v_head_dim
+    ) * elt
     return max(flops / profile.peak_flops, bytes_ / profile.bandwidth)
 
 
-def normal_cost(dims: MLADims, prefix: int, new: int, profile: DeviceProfile,
-                elt: int = 2) -> float:
+def normal_cost(
+    dims: MLADims, prefix: int, new: int, profile: DeviceProfile, elt: int = 2
+) -> float:
     """Roofline seconds of the normal (decompress + MHA) path for one request."""
     H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     nope, v = dims.qk_nope_head_dim, dims.v_head_dim
@@ -126,15 +130,18 @@ class Policy:
         return cls(os.environ.get(ENV_VAR, default), threshold)
 
     def __repr__(self) -> str:
-        return f"Policy(mode={self.mode!r}, chunked_prefix_threshold={self.chunked_prefix_threshold})"
+        return (
+            f"Policy(mode={self.mode!r}, chunked_prefix_threshold={self.chunked_prefix_threshold})"
+        )
 
     def _profile(self, device_type: str) -> DeviceProfile:
         if self.profile is not None:
             return self.profile
         return CPU_PROFILE if device_type == "cpu" else GPU_PROFILE
 
-    def request_uses_absorbed(self, dims: MLADims, prefix: int, new: int, phase: Phase,
-                              device_type: str = "cpu") -> bool:
+    def request_uses_absorbed(
+        self, dims: MLADims, prefix: int, new: int, phase: Phase, device_type: str = "cpu"
+    ) -> bool:
         """Per-request decision for ``cost``/``absorb``/``normal`` modes."""
         if self.mode == "absorb":
             return True
@@ -159,10 +166,14 @@ class Policy:
         if batch.phase.speculative or batch.phase is Phase.DECODE:
             return False
         prof = self._profile(device_type)
-        a = sum(absorbed_cost(dims, p, n, prof) for p, n in zip(batch.prefix_lens, batch.new_lens,
-                                                                 strict=True))
-        m = sum(normal_cost(dims, p, n, prof) for p, n in zip(batch.prefix_lens, batch.new_lens,
-                                                               strict=True))
+        a = sum(
+            absorbed_cost(dims, p, n, prof)
+            for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
+        )
+        m = sum(
+            normal_cost(dims, p, n, prof)
+            for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
+        )
         return m < a
 
     def choose(self, batch: MLABatch, dims: MLADims, device_type: str = "cpu") -> PathChoice:
@@ -179,7 +190,11 @@ class Policy:
             )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "mla policy %s: phase=%s prefix=%s new=%s -> %s", self.mode, batch.phase.value,
-                batch.prefix_lens, batch.new_lens, choice.batch_mode,
+                "mla policy %s: phase=%s prefix=%s new=%s -> %s",
+                self.mode,
+                batch.phase.value,
+                batch.prefix_lens,
+                batch.new_lens,
+                choice.batch_mode,
             )
         return choice
