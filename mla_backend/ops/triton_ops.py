@@ -154,7 +154,9 @@ def absorbed_attention(
             f"kv_cache row width {kv_cache.shape[-1]} != kv_lora_rank + rope = {r} + {rope}"
         )
     if q_pe.shape[:2] != (T, H):
-        raise ValueError(f"q_pe shape {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}")
+        raise ValueError(
+            f"q_pe shape {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}"
+        )
     if T != batch.num_tokens:
         raise ValueError(f"q_lat has {T} tokens but the batch has {batch.num_tokens}")
     if q_lat.dtype not in _TL_DTYPE:

@@ -2,13 +2,33 @@
 
 One program per new token. The token's slot ``s`` maps to page ``s // page_size`` and row
 ``s % page_size``; ``s < 0`` (padding) writes nothing. With a scale the stored value is
-``value / scale`` (fp8 e4m3 caches; saturated to +-448 before the cast).
+``value / scale`` (fp8 e4m3 caches; saturated to +-448 before the cast). Values already in
+the cache dtype are copied bit-exactly; fp8 values are rounded to nearest even in fp32 (see
+``_round_to_e4m3_grid``); fp32 -> bf16/fp16 uses the device's round-to-nearest-even (the Triton
+interpreter truncates instead, so tests allow one ulp for that conversion).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """Round fp32 ``x`` (already within +-448) to the nearest float8 e4m3 value, ties to even.
+
+    Done in fp32 so the final cast is exact on every backend: the Triton interpreter's own
+    fp32 -> fp8 rounding drops the mantissa carry (e.g. 1.97 becomes 1.0), and this keeps the
+    GPU and the interpreter bit-identical to torch's ``.to(float8_e4m3fn)``.
+    """
+    a = tl.abs(x)
+    exp = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # -6: subnormals
+    ulp = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exp - 3): 3 mantissa bits
+    y = a / ulp  # exact (power of two), in [0, 16]
+    y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to integer, ties to even
+    y = y * ulp
+    return tl.where(x < 0, -y, y)  # keeps -0.0 like torch
 
 
 @triton.jit
@@ -29,7 +49,7 @@ def write_latent_kernel(
     BLOCK_ROPE: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    SATURATE: tl.constexpr,  # clamp to +-FP8_MAX before the cast (fp8 caches)
+    SATURATE: tl.constexpr,  # fp8 cache: clamp to +-FP8_MAX and round to the e4m3 grid
     FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -38,23 +58,23 @@ def write_latent_kernel(
     slot = tl.where(valid, slot, 0)
     row = kv_ptr + (slot // page_size) * stride_kvp + (slot % page_size) * stride_kvs
     if HAS_SCALE:
-        inv_scale = 1.0 / tl.load(scale_ptr).to(tl.float32)
+        scale = tl.load(scale_ptr).to(tl.float32)
 
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = (offs_r < r_dim) & valid
-    c = tl.load(c_kv_ptr + t * stride_ct + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    r_ok = offs_r < tl.where(valid, r_dim, 0)  # a padding token masks every column
+    c = tl.load(c_kv_ptr + t * stride_ct + offs_r, mask=r_ok, other=0.0)
     if HAS_SCALE:
-        c = c * inv_scale
+        c = c.to(tl.float32) / scale
     if SATURATE:
-        c = tl.minimum(tl.maximum(c, -FP8_MAX), FP8_MAX)
+        c = _round_to_e4m3_grid(tl.minimum(tl.maximum(c.to(tl.float32), -FP8_MAX), FP8_MAX))
     tl.store(row + offs_r, c.to(kv_ptr.dtype.element_ty), mask=r_ok)
 
     if HAS_ROPE:
         offs_p = tl.arange(0, BLOCK_ROPE)
-        p_ok = (offs_p < rope_dim) & valid
-        k = tl.load(k_pe_ptr + t * stride_pt + offs_p, mask=p_ok, other=0.0).to(tl.float32)
+        p_ok = offs_p < tl.where(valid, rope_dim, 0)
+        k = tl.load(k_pe_ptr + t * stride_pt + offs_p, mask=p_ok, other=0.0)
         if HAS_SCALE:
-            k = k * inv_scale
+            k = k.to(tl.float32) / scale
         if SATURATE:
-            k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)
+            k = _round_to_e4m3_grid(tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX))
         tl.store(row + r_dim + offs_p, k.to(kv_ptr.dtype.element_ty), mask=p_ok)
