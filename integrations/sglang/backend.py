@@ -1,0 +1,302 @@
+"""``mla_absorb``: an SGLang attention backend whose attention math is all mla-backend's core.
+
+SGLang's DeepSeek model (``DeepseekV2AttentionMLA``) owns the projections and calls the backend
+through two ``RadixAttention`` layers that share one ``layer_id`` (and one latent cache):
+
+- ``attn_mqa`` (absorbed path, ``AttnForwardMethod.MLA``): the model has already absorbed
+  ``W_UK`` and applies ``W_UV`` itself. It passes either the concatenated convention
+  ``q = [q_lat ; q_pe]`` [T, H*(r+rope)], ``k = [c_kv ; k_pe]`` [T, 1, r+rope], ``v = c_kv``,
+  or (when the backend name is in ``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS``) the separate
+  convention ``q = q_lat`` [T, H, r], ``k = v = c_kv`` [T, 1, r], ``q_rope`` [T, H, rope],
+  ``k_rope`` [T, 1, rope]. We write ``[c_kv ; k_pe]`` with ``mb.write_latent`` and return
+  ``mb.absorbed_attention``'s ``o_lat`` as [T, H*r].
+- ``attn_mha`` (normal path, ``AttnForwardMethod.MHA``): the model has written the new
+  latents to the pool and passes the decompressed q [T, H, nope+rope] (and k, v of the new
+  tokens, which we do not need). We run ``mb.MLAAttention`` over the cached latents of prefix
+  + new tokens: the core decompresses (chunked for a long prefix, merged by LSE) and, for a
+  batch the policy splits, serves its short extends absorbed. Returns [T, H*v].
+
+Which method runs is decided per batch by the forward-method handler (``handler.py``) from the
+core's policy. The pool's buffer ``[num_slots, 1, r+rope]`` is viewed as the core's paged
+cache ``[num_slots // page_size, page_size, r+rope]``; fp8 (e4m3) pools store unscaled values
+(SGLang's MLA pool writes without a scale), so ``kv_scale`` is None.
+
+Unsupported settings raise ``ValueError`` at start-up (backend construction) naming the value.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import mla_backend as mb
+from mla_backend_integrations.sglang.batch import build_mla_batch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+logger = logging.getLogger("mla_backend.sglang")
+
+BACKEND_NAME = "mla_absorb"
+SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_ALLOWED_KWARGS = {"q_rope", "k_rope"}
+
+
+@dataclass
+class MLAAbsorbMetadata:
+    """Per-forward metadata: the core's batch and the policy's per-batch answer."""
+
+    batch: mb.MLABatch
+    use_normal: bool
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"--attention-backend {BACKEND_NAME}: {msg}")
+
+
+class MLAAbsorbBackend(AttentionBackend):
+    """SGLang ``AttentionBackend`` for DeepSeek MLA models, backed by ``mla_backend``."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__()
+        if not getattr(model_runner, "use_mla_backend", False):
+            _fail(
+                "the model does not use MLA (model_runner.use_mla_backend is False); "
+                "mla_absorb serves DeepSeek-style MLA models only"
+            )
+        mc = model_runner.model_config
+        self.device = torch.device(model_runner.device)
+        self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
+        self.kv_lora_rank = int(mc.kv_lora_rank)
+        self.qk_rope_head_dim = int(mc.qk_rope_head_dim)
+        self.qk_nope_head_dim = int(getattr(mc, "qk_nope_head_dim", self.kv_lora_rank))
+        self.v_head_dim = int(getattr(mc, "v_head_dim", self.kv_lora_rank))
+        self.kv_cache_dtype = model_runner.kv_cache_dtype
+        self.data_type = getattr(model_runner, "dtype", None)
+        if self.kv_cache_dtype not in SUPPORTED_KV_DTYPES:
+            _fail(
+                f"KV cache dtype {self.kv_cache_dtype} (--kv-cache-dtype "
+                f"{getattr(model_runner, 'kv_cache_dtype_str', '?')}) is not supported; "
+                "supported: auto (bf16/fp16/fp32) and fp8_e4m3"
+            )
+        if getattr(mc, "is_hybrid_swa", False) or getattr(model_runner, "is_hybrid_swa", False):
+            _fail("sliding-window (hybrid SWA) models are not supported")
+        self._check_runtime_options(model_runner)
+
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        pool_cls = type(self.token_to_kv_pool).__name__
+        if pool_cls != "MLATokenToKVPool":
+            _fail(
+                f"KV pool {pool_cls} is not supported; mla_absorb reads SGLang's plain "
+                "MLATokenToKVPool (no DSA/NSA, FP4 or unified hybrid pools)"
+            )
+        if getattr(self.token_to_kv_pool, "kv_cache_dim", None) != (
+            self.kv_lora_rank + self.qk_rope_head_dim
+        ):
+            _fail(
+                f"pool row width {getattr(self.token_to_kv_pool, 'kv_cache_dim', None)} != "
+                f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim}"
+            )
+        translator = getattr(model_runner, "kv_index_translator", None)
+        if translator is not None:
+            if getattr(translator, "reads_are_translated", False):
+                _fail("a translating (unified) KV pool is not supported")
+            self.kv_index_translator = translator
+        self.num_heads = int(
+            mc.get_num_attention_heads(getattr(model_runner, "tp_size", 1) or 1)
+            if hasattr(mc, "get_num_attention_heads")
+            else mc.num_attention_heads
+        )
+        self.policy = mb.Policy.from_env()
+        self.forward_metadata: MLAAbsorbMetadata | None = None
+        # layer_id -> DeepseekV2AttentionMLA (weakly), bound by the forward-method handler.
+        self._owners: dict[int, weakref.ReferenceType] = {}
+        self._cores: dict[int, mb.MLAAttention] = {}
+        logger.info(
+            "mla_absorb: H=%d r=%d rope=%d nope=%d v=%d page_size=%d kv dtype=%s policy=%s",
+            self.num_heads,
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            self.qk_nope_head_dim,
+            self.v_head_dim,
+            self.page_size,
+            self.kv_cache_dtype,
+            self.policy,
+        )
+
+    # ------------------------------------------------------------------ start-up checks
+    @staticmethod
+    def _check_runtime_options(model_runner: Any) -> None:
+        sa = getattr(model_runner, "server_args", None)
+        if sa is None:
+            return
+        topk = getattr(sa, "speculative_eagle_topk", None)
+        if getattr(sa, "speculative_algorithm", None) and topk not in (None, 0, 1):
+            _fail(
+                f"--speculative-eagle-topk {topk} is not supported: tree verification needs "
+                "a custom mask; use topk 1 (a linear draft chain, causal)"
+            )
+        for name in ("dcp_size", "attn_cp_size"):
+            v = getattr(sa, name, None)
+            if isinstance(v, int) and v > 1:
+                _fail(f"--{name.replace('_', '-')} {v} (context parallelism) is not supported")
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """CUDA graphs are not supported (the core builds per-batch host metadata)."""
+        _fail("CUDA graphs are not supported; pass --disable-cuda-graph")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Translate the ForwardBatch once per forward; every layer reuses it."""
+        batch = build_mla_batch(forward_batch, self.req_to_token, self.page_size)
+        use_normal = self.policy.batch_uses_normal(batch, self._dims(), self.device.type)
+        self.forward_metadata = MLAAbsorbMetadata(batch=batch, use_normal=use_normal)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
+        self.init_forward_metadata(forward_batch)
+
+    def _dims(self) -> mb.MLADims:
+        return mb.MLADims(
+            num_heads=self.num_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+        )
+
+    def _batch(self, forward_batch: Any) -> mb.MLABatch:
+        if self.forward_metadata is None:
+            self.init_forward_metadata(forward_batch)
+        return self.forward_metadata.batch
+
+    def paged_cache(self, layer_id: int) -> torch.Tensor:
+        """The pool's buffer of ``layer_id`` as the core's [num_pages, page_size, r+rope]."""
+        buf = self.token_to_kv_pool.get_key_buffer(layer_id)  # [slots, 1, D], dtype view
+        slots, D = buf.shape[0], buf.shape[-1]
+        if slots % self.page_size:
+            _fail(f"pool size {slots} is not a multiple of page size {self.page_size}")
+        return buf.view(slots // self.page_size, self.page_size, D)
+
+    # ------------------------------------------------------------------ weights (normal path)
+    def bind_layer(self, attn_module: Any) -> None:
+        """Remember the DeepSeek attention module of a layer (its absorbed weights)."""
+        lid = attn_module.attn_mha.layer_id
+        ref = self._owners.get(lid)
+        if ref is None or ref() is not attn_module:
+            self._owners[lid] = weakref.ref(attn_module)
+            self._cores.pop(lid, None)
+
+    def _weights(self, layer: Any) -> mb.AbsorbWeights:
+        dims = self._dims()
+        ref = self._owners.get(layer.layer_id)
+        owner = ref() if ref is not None else None
+        if owner is not None and getattr(owner, "w_kc", None) is not None:
+            w_kc, w_vc = owner.w_kc, owner.w_vc  # [H, nope, r], [H, r, v]
+            if getattr(owner, "use_deep_gemm_bmm", False):
+                _fail("block-scaled DeepGEMM absorption weights are not supported")
+            if w_kc.dtype == torch.float8_e4m3fn:
+                scale = torch.as_tensor(owner.w_scale, dtype=torch.float32, device=w_kc.device)
+                w_kc = (w_kc.float() * scale).to(torch.bfloat16)
+                w_vc = (w_vc.float() * scale).to(torch.bfloat16)
+            # kv_b_proj.weight [H*(nope+v), r] rebuilt from SGLang's (possibly repacked) split
+            kv_b = torch.cat([w_kc, w_vc.transpose(1, 2)], dim=1).reshape(-1, w_kc.shape[-1])
+            return mb.split_kv_b_proj(kv_b, dims)
+        proj = getattr(layer, "kv_b_proj", None)
+        if proj is None:
+            _fail(
+                f"layer {layer.layer_id}: no kv_b_proj weights for the normal (MHA) path; the "
+                "mla_absorb forward-method handler binds them (is the plugin loaded?)"
+            )
+        scale = getattr(proj, "weight_scale_inv", None)
+        if scale is None:
+            scale = getattr(proj, "weight_scale", None)
+        w = proj.weight
+        return mb.split_kv_b_proj(w, dims, weight_scale=scale if w.dtype.itemsize == 1 else None)
+
+    def _core(self, layer: Any) -> mb.MLAAttention:
+        core = self._cores.get(layer.layer_id)
+        if core is None:
+            core = mb.MLAAttention(self._dims(), self._weights(layer), layer.scaling, self.policy)
+            self._cores[layer.layer_id] = core
+        return core
+
+    # ------------------------------------------------------------------ forward
+    @staticmethod
+    def _is_mha_call(layer: Any) -> bool:
+        # DeepseekV2AttentionMLA sets attn_mha.kv_b_proj; attn_mqa has one KV head.
+        if hasattr(layer, "kv_b_proj"):
+            return True
+        return getattr(layer, "tp_k_head_num", 1) != 1
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Decode: absorbed MLA (see module docstring for shapes)."""
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Extend / verify / draft-extend: absorbed (MLA) or normal (MHA) per the handler."""
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs) -> torch.Tensor:
+        extra = set(kwargs) - _ALLOWED_KWARGS
+        extra = {name for name in extra if kwargs[name] is not None}
+        if extra:
+            _fail(f"unsupported attention arguments {sorted(extra)} (sparse/sink attention)")
+        batch = self._batch(forward_batch)
+        if self._is_mha_call(layer):
+            return self._forward_normal(q, layer, forward_batch, batch)
+        return self._forward_absorbed(q, k, layer, forward_batch, batch, save_kv_cache, kwargs)
+
+    def _forward_absorbed(self, q, k, layer, forward_batch, batch, save_kv_cache, kwargs):
+        r, rope, H = self.kv_lora_rank, self.qk_rope_head_dim, layer.tp_q_head_num
+        q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
+        T = q.shape[0]
+        if q_rope is not None:  # separate convention
+            q_lat = q.view(T, H, r)
+            q_pe = q_rope.view(T, H, rope)
+        else:  # concatenated [q_lat ; q_pe]
+            qv = q.view(T, H, r + rope)
+            q_lat, q_pe = qv[..., :r], qv[..., r:]
+        kv_cache = self.paged_cache(layer.layer_id)
+        if save_kv_cache and k is not None:
+            if k_rope is not None:
+                c_kv, k_pe = k.reshape(-1, r), k_rope.reshape(-1, rope)
+            else:
+                kk = k.reshape(-1, r + rope)
+                c_kv, k_pe = kk[:, :r], kk[:, r:]
+            mb.write_latent(kv_cache, c_kv, k_pe, forward_batch.out_cache_loc[: c_kv.shape[0]])
+        if batch.num_tokens != T:
+            if batch.num_tokens > T:
+                _fail(f"{T} query rows for a batch of {batch.num_tokens} tokens")
+            out = q.new_zeros(T, H, r)
+            o_lat, _ = mb.absorbed_attention(
+                q_lat[: batch.num_tokens], q_pe[: batch.num_tokens], kv_cache, batch, layer.scaling
+            )
+            out[: batch.num_tokens] = o_lat
+            return out.view(T, H * r)
+        o_lat, _ = mb.absorbed_attention(q_lat, q_pe, kv_cache, batch, layer.scaling)
+        return o_lat.reshape(T, H * r)
+
+    def _forward_normal(self, q, layer, forward_batch, batch):
+        if getattr(forward_batch, "mha_return_lse", False):
+            _fail(
+                "chunked-KV MHA calls (returning LSE) are not used by mla_absorb: the core "
+                "chunks long prefixes itself"
+            )
+        H, nope, rope = layer.tp_q_head_num, self.qk_nope_head_dim, self.qk_rope_head_dim
+        T = q.shape[0]
+        qv = q.view(T, H, nope + rope)
+        n = batch.num_tokens
+        o = self._core(layer)(qv[:n, :, :nope], qv[:n, :, nope:], self.paged_cache(layer.layer_id), batch)
+        if n != T:
+            out = q.new_zeros(T, H, self.v_head_dim)
+            out[:n] = o
+            o = out
+        return o.reshape(T, H * self.v_head_dim)
