@@ -30,24 +30,77 @@ __all__ = ["PRESETS", "make_tiny_deepseek_v2", "synthetic_words", "main"]
 #: Named argument sets for :func:`make_tiny_deepseek_v2`.
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V2-Lite attention dims: 16 heads, latent 512 + rope 64, nope 128, v 128.
-    "default": dict(num_heads=16, hidden_size=256, num_layers=2, kv_lora_rank=512,
-                    qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                    q_lora_rank=None, moe=False),
+    "default": dict(
+        num_heads=16,
+        hidden_size=256,
+        num_layers=2,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=None,
+        moe=False,
+    ),
     # Non-DeepSeek dims: latent 96 + rope 32 (128 total, outside vLLM's 320/512/576),
     # v_head_dim != nope, q_lora on.
-    "odd": dict(num_heads=4, hidden_size=128, num_layers=2, kv_lora_rank=96,
-                qk_rope_head_dim=32, qk_nope_head_dim=48, v_head_dim=40,
-                q_lora_rank=64, moe=False),
+    "odd": dict(
+        num_heads=4,
+        hidden_size=128,
+        num_layers=2,
+        kv_lora_rank=96,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=48,
+        v_head_dim=40,
+        q_lora_rank=64,
+        moe=False,
+    ),
     # MoE layers (first layer dense, the others routed + shared experts), q_lora on.
-    "moe": dict(num_heads=8, hidden_size=192, num_layers=3, kv_lora_rank=256,
-                qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
-                q_lora_rank=96, moe=True),
+    "moe": dict(
+        num_heads=8,
+        hidden_size=192,
+        num_layers=3,
+        kv_lora_rank=256,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        q_lora_rank=96,
+        moe=True,
+    ),
 }
 
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _UNK_ID, _BOS_ID, _EOS_ID, _PAD_ID = 0, 1, 2, 3
-_ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t",
-           "v", "w", "z", "br", "ch", "dr", "fl", "gr", "kl", "pr", "sh", "st", "th", "tr")
+_ONSETS = (
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "br",
+    "ch",
+    "dr",
+    "fl",
+    "gr",
+    "kl",
+    "pr",
+    "sh",
+    "st",
+    "th",
+    "tr",
+)
 _VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou")
 
 
@@ -79,8 +132,15 @@ def _tokenizer_json(vocab_size: int) -> dict[str, Any]:
     words = list(_SPECIAL_TOKENS) + synthetic_words(vocab_size - len(_SPECIAL_TOKENS))
     vocab = {w: i for i, w in enumerate(words)}
     added = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, t in enumerate(_SPECIAL_TOKENS)
     ]
     return {
@@ -97,12 +157,27 @@ def _tokenizer_json(vocab_size: int) -> dict[str, Any]:
 
 
 def _config(
-    *, num_heads: int, hidden_size: int, num_layers: int, kv_lora_rank: int,
-    qk_rope_head_dim: int, qk_nope_head_dim: int, v_head_dim: int, q_lora_rank: int | None,
-    moe: bool, vocab_size: int, intermediate_size: int, moe_intermediate_size: int,
-    n_routed_experts: int, num_experts_per_tok: int, n_shared_experts: int,
-    max_position_embeddings: int, rope_theta: float, rope_scaling: dict[str, Any] | None,
-    init_std: float, dtype: str,
+    *,
+    num_heads: int,
+    hidden_size: int,
+    num_layers: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: int | None,
+    moe: bool,
+    vocab_size: int,
+    intermediate_size: int,
+    moe_intermediate_size: int,
+    n_routed_experts: int,
+    num_experts_per_tok: int,
+    n_shared_experts: int,
+    max_position_embeddings: int,
+    rope_theta: float,
+    rope_scaling: dict[str, Any] | None,
+    init_std: float,
+    dtype: str,
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "architectures": ["DeepseekV2ForCausalLM"],
@@ -133,12 +208,13 @@ def _config(
         "attention_bias": False,
         "attention_dropout": 0.0,
         "torch_dtype": dtype,
-        # MoE fields are always present (DeepSeek configs carry them); n_routed_experts
-        # None means every layer is dense.
+        # MoE fields are always present (DeepSeek configs carry them, transformers requires
+        # ints); layers >= first_k_dense_replace are MoE, so a dense model sets it to
+        # num_layers.
         "moe_intermediate_size": moe_intermediate_size,
-        "n_routed_experts": n_routed_experts if moe else None,
-        "n_shared_experts": n_shared_experts if moe else None,
-        "num_experts_per_tok": num_experts_per_tok if moe else None,
+        "n_routed_experts": n_routed_experts,
+        "n_shared_experts": n_shared_experts,
+        "num_experts_per_tok": num_experts_per_tok,
         "first_k_dense_replace": 1 if moe else num_layers,
         "moe_layer_freq": 1,
         "routed_scaling_factor": 1.0,
@@ -190,7 +266,7 @@ def _weights(cfg: dict[str, Any], seed: int, init_std: float) -> dict[str, Any]:
         w[a + "kv_b_proj.weight"] = normal(heads * (nope + v), r)
         w[a + "o_proj.weight"] = normal(hid, heads * v)
         m = p + "mlp."
-        is_moe = cfg["n_routed_experts"] is not None and i >= cfg["first_k_dense_replace"]
+        is_moe = i >= cfg["first_k_dense_replace"]
         if not is_moe:
             w[m + "gate_proj.weight"] = normal(inter, hid)
             w[m + "up_proj.weight"] = normal(inter, hid)
@@ -253,30 +329,49 @@ def make_tiny_deepseek_v2(
 
     if vocab_size < 10000:
         raise ValueError(f"vocab_size={vocab_size} must be >= 10000 (vllm bench latency ids)")
-    for name, val in (("num_heads", num_heads), ("hidden_size", hidden_size),
-                      ("num_layers", num_layers), ("kv_lora_rank", kv_lora_rank),
-                      ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
+    for name, val in (
+        ("num_heads", num_heads),
+        ("hidden_size", hidden_size),
+        ("num_layers", num_layers),
+        ("kv_lora_rank", kv_lora_rank),
+        ("qk_nope_head_dim", qk_nope_head_dim),
+        ("v_head_dim", v_head_dim),
+    ):
         if val <= 0:
             raise ValueError(f"{name}={val} must be positive")
     if qk_rope_head_dim <= 0 or qk_rope_head_dim % 2:
         raise ValueError(f"qk_rope_head_dim={qk_rope_head_dim} must be positive and even")
     if q_lora_rank is not None and q_lora_rank <= 0:
         raise ValueError(f"q_lora_rank={q_lora_rank} must be positive or None")
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "float32": torch.float32}.get(dtype)
+    torch_dtype = {
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+    }.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype={dtype!r} must be bfloat16, float16 or float32")
 
     cfg = _config(
-        num_heads=num_heads, hidden_size=hidden_size, num_layers=num_layers,
-        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-        qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, q_lora_rank=q_lora_rank,
-        moe=moe, vocab_size=vocab_size,
+        num_heads=num_heads,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        qk_nope_head_dim=qk_nope_head_dim,
+        v_head_dim=v_head_dim,
+        q_lora_rank=q_lora_rank,
+        moe=moe,
+        vocab_size=vocab_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
         moe_intermediate_size=moe_intermediate_size or max(hidden_size // 2, 16),
-        n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok,
-        n_shared_experts=n_shared_experts, max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta, rope_scaling=rope_scaling, init_std=init_std, dtype=dtype,
+        n_routed_experts=n_routed_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        n_shared_experts=n_shared_experts,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        init_std=init_std,
+        dtype=dtype,
     )
     weights = {k: t.to(torch_dtype).contiguous() for k, t in _weights(cfg, seed, init_std).items()}
 
@@ -287,7 +382,10 @@ def make_tiny_deepseek_v2(
     (out / "tokenizer.json").write_text(json.dumps(_tokenizer_json(vocab_size)) + "\n")
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
         "model_max_length": max_position_embeddings,
         "clean_up_tokenization_spaces": False,
     }
@@ -299,8 +397,10 @@ def make_tiny_deepseek_v2(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: ``python -m mla_backend.tiny_model OUT_DIR [--preset NAME] [--seed N] [--dtype D]``."""
-    ap = argparse.ArgumentParser(prog="python -m mla_backend.tiny_model",
-                                 description="Write a tiny random DeepSeek-V2 model folder.")
+    ap = argparse.ArgumentParser(
+        prog="python -m mla_backend.tiny_model",
+        description="Write a tiny random DeepSeek-V2 model folder.",
+    )
     ap.add_argument("out_dir")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     ap.add_argument("--seed", type=int, default=0)
@@ -311,8 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kwargs = dict(PRESETS[args.preset])
     if args.num_layers is not None:
         kwargs["num_layers"] = args.num_layers
-    out = make_tiny_deepseek_v2(args.out_dir, seed=args.seed, dtype=args.dtype,
-                                vocab_size=args.vocab_size, **kwargs)
+    out = make_tiny_deepseek_v2(
+        args.out_dir, seed=args.seed, dtype=args.dtype, vocab_size=args.vocab_size, **kwargs
+    )
     print(out)
     return 0
 

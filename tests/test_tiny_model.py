@@ -18,8 +18,11 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     h, n = cfg["hidden_size"], cfg["num_attention_heads"]
     r, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-    out = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,),
-           "lm_head.weight": (cfg["vocab_size"], h)}
+    out = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg["vocab_size"], h),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
@@ -35,10 +38,13 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.kv_a_layernorm.weight"] = (r,)
         out[p + "self_attn.kv_b_proj.weight"] = (n * (nope + v), r)
         out[p + "self_attn.o_proj.weight"] = (h, n * v)
-        if cfg["n_routed_experts"] is None or i < cfg["first_k_dense_replace"]:
+        if i < cfg["first_k_dense_replace"]:
             i_sz = cfg["intermediate_size"]
-            for k, s in (("gate_proj", (i_sz, h)), ("up_proj", (i_sz, h)),
-                         ("down_proj", (h, i_sz))):
+            for k, s in (
+                ("gate_proj", (i_sz, h)),
+                ("up_proj", (i_sz, h)),
+                ("down_proj", (h, i_sz)),
+            ):
                 out[f"{p}mlp.{k}.weight"] = s
         else:
             m = cfg["moe_intermediate_size"]
@@ -121,9 +127,10 @@ def test_transformers_loads_and_generates_varied_tokens(tmp_path: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     # every stored weight is used by the model (no silently ignored names)
     missing = set(safetensors_torch.load_file(str(out / "model.safetensors"))) - set(
-        model.state_dict())
+        model.state_dict()
+    )
     assert not missing
     ids = torch.tensor([[11, 500, 42, 7000, 3000, 12]])
     gen = model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
-    new = gen[0, ids.shape[1]:].tolist()
+    new = gen[0, ids.shape[1] :].tolist()
     assert len(set(new)) >= 4, new  # not degenerate

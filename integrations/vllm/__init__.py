@@ -1,0 +1,12 @@
+"""vLLM adapter of mla-backend: the ``MLA_ABSORB`` attention backend.
+
+Selected with ``--attention-backend mla_absorb`` or ``LLM(..., attention_backend="mla_absorb")``.
+Importing this package does not import vLLM. The plugin entry points live in
+:mod:`mla_backend_integrations.vllm.plugin`; the backend in
+:mod:`mla_backend_integrations.vllm.backend`; a CPU launcher for the ``vllm`` CLI in
+:mod:`mla_backend_integrations.vllm.cli`.
+"""
+
+BACKEND_NAME = "MLA_ABSORB"
+
+__all__ = ["BACKEND_NAME"]

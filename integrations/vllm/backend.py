@@ -1,0 +1,337 @@
+"""vLLM v1 attention backend ``MLA_ABSORB``: vLLM's MLA layer on top of the ``mla_backend`` core.
+
+vLLM's ``MLAAttention`` layer projects the query, writes the latent cache through
+``impl.do_kv_cache_update`` and hands the attention to ``impl.forward_mha`` (tokens the
+metadata calls prefill) or ``impl.forward_mqa`` (tokens it calls decode, already absorbed).
+This backend's metadata marks every token as "prefill", so ``forward_mha`` receives the
+whole batch with the full query ``[T, H, nope + rope]``, and the core's
+:class:`mla_backend.MLAAttention` (its :class:`mla_backend.Policy` choosing absorbed or
+normal per request) computes it: decode and short extends through
+``mla_backend.absorbed_attention``, long prefills through ``mla_backend.normal_attention``.
+No query-length threshold and no batch reordering by vLLM is involved.
+
+Own metadata class (vLLM's ``MLACommonMetadata`` only accepts latent widths 320/512/576):
+any dims the core accepts work. Any block size, chunked prefill and prefix caching, fp8
+latent cache (``--kv-cache-dtype fp8``), multi-token queries and ragged mixed batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from mla_backend_integrations.vllm.plugin import BACKEND_NAME, check_vllm_version
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MLAAttentionImpl,
+    MultipleOf,
+)
+
+import mla_backend as mb
+
+#: ``--kv-cache-dtype`` values this backend accepts ("auto" = the model dtype).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
+class MLAAbsorbBackend(AttentionBackend):
+    """Backend descriptor: MLA, any latent width, any block size, bf16/fp16/fp32."""
+
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(SUPPORTED_KV_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[MLAAbsorbImpl]:
+        return MLAAbsorbImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MLAAbsorbMetadataBuilder]:
+        return MLAAbsorbMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any kv_lora_rank + qk_rope_head_dim: checked by mla_backend.MLADims
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability: Any) -> bool:
+        return True
+
+
+@dataclass
+class MLAAbsorbMetadata(AttentionMetadata):
+    """Per-step metadata: the core's :class:`mla_backend.MLABatch` plus the counters vLLM's
+    ``MLAAttention.forward_impl`` reads (it sees zero "decode" tokens, so all tokens go to
+    ``forward_mha``)."""
+
+    batch: mb.MLABatch
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int = 0
+    num_decode_tokens: int = 0
+    num_prefills: int = 0
+    causal: bool = True
+    prefill: Any = None
+    decode: Any = None
+
+
+def batch_phase(new_lens: list[int], num_spec_tokens: int) -> mb.Phase:
+    """Phase of a vLLM step for the core's policy (vLLM mixes decodes and prefills)."""
+    if not new_lens:
+        return mb.Phase.IDLE
+    if all(n == 1 for n in new_lens):
+        return mb.Phase.DECODE
+    if num_spec_tokens > 0 and max(new_lens) <= num_spec_tokens + 1:
+        return mb.Phase.TARGET_VERIFY
+    if all(n > 1 for n in new_lens):
+        return mb.Phase.EXTEND
+    return mb.Phase.MIXED
+
+
+class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
+    """Builds :class:`MLAAbsorbMetadata` from vLLM's ``CommonAttentionMetadata``."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None  # no reordering: the policy routes requests
+
+    def __init__(
+        self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.page_size = int(kv_cache_spec.block_size)
+        spec = vllm_config.speculative_config
+        self.num_spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> MLAAbsorbMetadata:
+        """Per-request ``prefix_lens = seq_lens - query_lens`` and ``new_lens = query_lens``
+        (host ints), the block table ``[num_reqs, max_pages]`` as is."""
+        m = common_attn_metadata
+        n = m.num_reqs
+        qsl = m.query_start_loc_cpu[: n + 1].to(torch.int64)
+        new_lens = (qsl[1:] - qsl[:-1]).tolist()
+        seq_lens = m.seq_lens[:n].to("cpu", torch.int64).tolist()
+        prefix_lens = [s - q for s, q in zip(seq_lens, new_lens, strict=True)]
+        batch = mb.MLABatch.build(
+            prefix_lens,
+            new_lens,
+            m.block_table_tensor[:n],
+            self.page_size,
+            batch_phase(new_lens, self.num_spec_tokens),
+        )
+        return MLAAbsorbMetadata(
+            batch=batch,
+            num_reqs=n,
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            query_start_loc=m.query_start_loc,
+            slot_mapping=m.slot_mapping,
+            num_prefills=n,
+        )
+
+
+def _kv_b_weight_scale(kv_b_proj: Any) -> torch.Tensor | None:
+    for name in ("weight_scale", "weight_scale_inv"):
+        scale = getattr(kv_b_proj, name, None)
+        if scale is not None:
+            return scale
+    return None
+
+
+class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
+    """Per-layer implementation: cache writes and attention through ``mla_backend``."""
+
+    can_return_lse_for_decode: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        q_lora_rank: int | None = None,
+        kv_lora_rank: int = 0,
+        qk_nope_head_dim: int = 0,
+        qk_rope_head_dim: int = 0,
+        qk_head_dim: int = 0,
+        v_head_dim: int = 0,
+        kv_b_proj: Any = None,
+        indexer: object | None = None,
+        q_pad_num_heads: int | None = None,
+        **extra: Any,
+    ) -> None:
+        check_vllm_version()
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+            "indexer (sparse MLA)": indexer,
+            "topk_indices_buffer (sparse MLA)": extra.get("topk_indices_buffer"),
+        }
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(
+                    f"attention backend {BACKEND_NAME} does not support {name}={value}"
+                )
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(
+                f"attention backend {BACKEND_NAME} does not support attn_type={attn_type}"
+            )
+        if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"attention backend {BACKEND_NAME} does not support kv_cache_dtype="
+                f"{kv_cache_dtype!r}; supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+            )
+        if self.dcp_world_size > 1:
+            raise ValueError(
+                f"attention backend {BACKEND_NAME} does not support decode context parallel "
+                f"size {self.dcp_world_size}"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.dims = mb.MLADims(
+            num_heads=num_heads,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            q_lora_rank=q_lora_rank,
+        )
+        if head_size != self.dims.latent_dim:
+            raise ValueError(
+                f"head_size={head_size} != kv_lora_rank + qk_rope_head_dim = {self.dims.latent_dim}"
+            )
+        self.kv_b_proj = kv_b_proj
+        self.q_pad_num_heads = None
+        self.supports_quant_query_input = False
+        self.attn: mb.MLAAttention | None = None
+        self.policy = mb.Policy.from_env()
+
+    # -- weights ------------------------------------------------------------------------
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Split ``kv_b_proj.weight`` [H*(nope+v), r] into W_UK [H, nope, r] and
+        W_UV [H, r, v] in ``act_dtype`` (fp8 weights are dequantized with their scale)."""
+        weight = self.kv_b_proj.weight
+        weights = mb.split_kv_b_proj(
+            weight.data, self.dims, weight_scale=_kv_b_weight_scale(self.kv_b_proj), dtype=act_dtype
+        )
+        self.attn = mb.MLAAttention(self.dims, weights, self.scale, policy=self.policy)
+
+    # -- cache --------------------------------------------------------------------------
+    def _cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """vLLM's cache tensor as the core's [num_pages, page_size, r + rope] latent cache."""
+        if kv_cache.dim() == 4:  # [pages, 1, page_size, latent]
+            kv_cache = kv_cache.squeeze(1)
+        if self.kv_cache_dtype in _FP8_CACHE_DTYPES and kv_cache.dtype != mb.FP8_DTYPE:
+            kv_cache = kv_cache.view(mb.FP8_DTYPE)
+        return kv_cache
+
+    def _kv_scale(self, k_scale: torch.Tensor | float | None) -> torch.Tensor | None:
+        if self.kv_cache_dtype not in _FP8_CACHE_DTYPES:
+            return None
+        if k_scale is None:
+            return torch.ones((), dtype=torch.float32)
+        return torch.as_tensor(k_scale, dtype=torch.float32).reshape(())
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+    ) -> None:
+        """Write c_kv [T, r] and k_pe [T, rope] (or [T, 1, rope]) to their slots."""
+        if kv_cache.numel() == 0:
+            return
+        rope = self.dims.qk_rope_head_dim
+        mb.write_latent(
+            self._cache_view(kv_cache),
+            kv_c_normed,
+            k_pe.reshape(k_pe.shape[0], rope),
+            slot_mapping.flatten(),
+            self._kv_scale(k_scale),
+        )
+
+    # -- attention ----------------------------------------------------------------------
+    def forward_mha(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLAAbsorbMetadata,
+        k_scale: torch.Tensor,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+    ) -> None:
+        """All tokens of the step: q [T, H, nope + rope] -> output [T, H * v] (in place)."""
+        if output_scale is not None:
+            raise ValueError(f"attention backend {BACKEND_NAME} does not fuse output quantization")
+        if self.attn is None:
+            raise RuntimeError("MLA_ABSORB: process_weights_after_loading was not called")
+        batch = attn_metadata.batch
+        T = batch.num_tokens
+        nope = self.dims.qk_nope_head_dim
+        q = q.view(q.shape[0], self.num_heads, -1)
+        o = self.attn(
+            q[:T, :, :nope],
+            q[:T, :, nope:],
+            self._cache_view(kv_c_and_k_pe_cache),
+            batch,
+            self._kv_scale(k_scale),
+        )
+        out = output.view(output.shape[0], -1)
+        out[:T].copy_(o.reshape(T, -1))
+        if out.shape[0] > T:
+            out[T:].zero_()
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLAAbsorbMetadata,
+        layer: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Never called: the metadata reports zero decode tokens (see module docstring)."""
+        raise RuntimeError(
+            f"{BACKEND_NAME}: forward_mqa is not used (all tokens go to forward_mha)"
+        )
