@@ -63,7 +63,7 @@ def decompress(
     r = kv_b.shape[1]
     L = latent.shape[0]
     H = weights.W_UK.shape[0]
-    kv = torch.mm(latent[:, :r], kv_b.t()).view(L, H, -1)  # [L, H, nope + v]
+    kv = torch.mm(latent[:, :r], kv_b.t()).view(L, H, kv_b.shape[0] // H)  # [L, H, nope + v]
     k_pe = latent[:, r:]
     k = torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(L, H, k_pe.shape[-1])], dim=-1)
     return k.transpose(0, 1), kv[..., nope:].transpose(0, 1)

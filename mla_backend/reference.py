@@ -61,3 +61,58 @@ def reference_mla_attention(
         out[row : row + n] = torch.matmul(probs, v).transpose(0, 1)
         row += n
     return out
+
+
+def reference_mla_layer(
+    weights: dict[str, torch.Tensor],
+    hidden: torch.Tensor,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    rope_theta: float = 10000.0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Whole-sequence DeepSeek-V2 attention layer in fp32 (no cache, no yarn).
+
+    Args:
+        weights: DeepSeek parameter names without prefix (``q_proj.weight`` or
+            ``q_a_proj.weight``/``q_a_layernorm.weight``/``q_b_proj.weight``,
+            ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``, ``kv_b_proj.weight``,
+            ``o_proj.weight``).
+        hidden: [L, hidden] one sequence, positions 0..L-1.
+    Returns:
+        [L, hidden] float32.
+    """
+    w = {k: v.float() for k, v in weights.items()}
+    x = hidden.float()
+    L = x.shape[0]
+    H, nope, rope = num_heads, qk_nope_head_dim, qk_rope_head_dim
+
+    def rms(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return t / torch.sqrt((t * t).mean(-1, keepdim=True) + eps) * g
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:  # [L, ..., rope], pairs as complex numbers
+        if rope == 0:
+            return t
+        freqs = 1.0 / rope_theta ** (torch.arange(0, rope, 2).float() / rope)
+        angles = torch.outer(torch.arange(L).float(), freqs)  # [L, rope/2]
+        rot = torch.polar(torch.ones_like(angles), angles)
+        tc = torch.view_as_complex(t.reshape(*t.shape[:-1], rope // 2, 2).contiguous())
+        shape = [L] + [1] * (t.dim() - 2) + [rope // 2]
+        return torch.view_as_real(tc * rot.view(shape)).flatten(-2)
+
+    if "q_proj.weight" in w:
+        q = x @ w["q_proj.weight"].T
+    else:
+        q = rms(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"]) @ w["q_b_proj.weight"].T
+    q = q.view(L, H, nope + rope)
+    kv_a = x @ w["kv_a_proj_with_mqa.weight"].T
+    c_kv = rms(kv_a[:, :kv_lora_rank], w["kv_a_layernorm.weight"])
+    k_pe = rotate(kv_a[:, kv_lora_rank:])
+    q_pe = rotate(q[..., nope:])
+    o = reference_mla_attention(
+        q[..., :nope], q_pe, [c_kv], [k_pe], w["kv_b_proj.weight"], nope, v_head_dim, [L]
+    )
+    return o.reshape(L, H * v_head_dim) @ w["o_proj.weight"].T

@@ -34,8 +34,15 @@ class Case:
 
     def oracle(self, scale: float | None = None) -> torch.Tensor:
         return mb.reference.reference_mla_attention(
-            self.q_nope, self.q_pe, self.c_kv, self.k_pe, self.kv_b,
-            self.dims.qk_nope_head_dim, self.dims.v_head_dim, self.batch.new_lens, scale,
+            self.q_nope,
+            self.q_pe,
+            self.c_kv,
+            self.k_pe,
+            self.kv_b,
+            self.dims.qk_nope_head_dim,
+            self.dims.v_head_dim,
+            self.batch.new_lens,
+            scale,
         )
 
 
@@ -104,8 +111,9 @@ def make_case(
 TOL = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
 
-def assert_close_to_oracle(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
-                           factor: float = 1.0) -> None:
+def assert_close_to_oracle(
+    out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, factor: float = 1.0
+) -> None:
     """Max error relative to the oracle's scale (outputs are O(1) by construction)."""
     err = (out.float() - ref).abs().max().item()
     bound = TOL[dtype] * factor * max(1.0, ref.abs().max().item())

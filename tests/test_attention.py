@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DIMS, assert_close_to_oracle, make_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mla_backend as mb
-from conftest import DIMS, assert_close_to_oracle, make_case
 
 BATCHES = {
     "decode1": ([7], [1]),
@@ -23,8 +23,9 @@ BATCHES = {
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("batch_name", list(BATCHES))
 @pytest.mark.parametrize("path", ["absorb", "normal"])
-def test_paths_match_oracle_fp32(dims_name: str, page_size: int, batch_name: str,
-                                 path: str) -> None:
+def test_paths_match_oracle_fp32(
+    dims_name: str, page_size: int, batch_name: str, path: str
+) -> None:
     if dims_name == "lite" and page_size == 1:
         pytest.skip("covered by smaller dims; keeps the grid fast")
     prefix, new = BATCHES[batch_name]
@@ -62,8 +63,9 @@ def test_lse_is_logsumexp_of_scaled_scores() -> None:
     scale = 0.3
     q_lat = mb.absorb_q(case.q_nope, case.weights)
     _, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.batch, scale)
-    _, lse_n = mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, case.batch,
-                                   case.weights, scale)
+    _, lse_n = mb.normal_attention(
+        case.q_nope, case.q_pe, case.kv_cache, case.batch, case.weights, scale
+    )
     row = 0
     for c, kp, p, n in zip(case.c_kv, case.k_pe, case.batch.prefix_lens, case.batch.new_lens):
         w = case.kv_b.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)
@@ -80,9 +82,15 @@ def test_lse_is_logsumexp_of_scaled_scores() -> None:
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_normal_chunked_prefix_matches_oracle(chunk: int) -> None:
     case = make_case(DIMS["odd"], [100, 3, 0], [7, 20, 5], 8)
-    out, _ = mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, case.batch,
-                                 case.weights, case.dims.default_softmax_scale,
-                                 chunk_tokens=chunk)
+    out, _ = mb.normal_attention(
+        case.q_nope,
+        case.q_pe,
+        case.kv_cache,
+        case.batch,
+        case.weights,
+        case.dims.default_softmax_scale,
+        chunk_tokens=chunk,
+    )
     assert_close_to_oracle(out, case.oracle(), torch.float32)
 
 
@@ -92,9 +100,16 @@ def test_normal_uses_given_new_latents() -> None:
     case = make_case(DIMS["tiny"], [5, 0], [4, 6], 4)
     rows_c = torch.cat([c[p:] for c, p in zip(case.c_kv, case.batch.prefix_lens)])
     rows_p = torch.cat([k[p:] for k, p in zip(case.k_pe, case.batch.prefix_lens)])
-    out, _ = mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, case.batch,
-                                 case.weights, case.dims.default_softmax_scale,
-                                 new_c_kv=torch.zeros_like(rows_c), new_k_pe=rows_p)
+    out, _ = mb.normal_attention(
+        case.q_nope,
+        case.q_pe,
+        case.kv_cache,
+        case.batch,
+        case.weights,
+        case.dims.default_softmax_scale,
+        new_c_kv=torch.zeros_like(rows_c),
+        new_k_pe=rows_p,
+    )
     for c, p in zip(case.c_kv, case.batch.prefix_lens):
         c[p:] = 0
     assert_close_to_oracle(out, case.oracle(), torch.float32)
@@ -136,8 +151,7 @@ def test_mixed_policy_scatters_rows_back() -> None:
     page_size=st.sampled_from([1, 2, 3, 16, 64]),
     path=st.sampled_from(["absorb", "normal"]),
 )
-def test_property_any_dims_any_layout(data, heads, r, nope, rope_half, v, page_size,
-                                      path) -> None:
+def test_property_any_dims_any_layout(data, heads, r, nope, rope_half, v, page_size, path) -> None:
     dims = mb.MLADims(heads, r, nope, 2 * rope_half, v)
     nreq = data.draw(st.integers(1, 4))
     prefix = data.draw(st.lists(st.integers(0, 90), min_size=nreq, max_size=nreq))

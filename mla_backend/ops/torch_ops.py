@@ -58,25 +58,35 @@ def write_latent(
 
 
 def gather_latent(
-    kv_cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    start: int,
+    end: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``[start, end)`` of one request's logical latent sequence.
 
     Args:
         kv_cache: [num_pages, page_size, D].
         block_row: [max_pages] int physical page per logical page.
+        out: optional reusable buffer with at least ``pages * page_size * D`` elements of the
+            cache dtype (avoids a fresh allocation, and its page faults, per call).
     Returns:
-        [end - start, D] in the cache dtype: a view when the pages are physically
-        consecutive, else a copy.
+        [end - start, D] in the cache dtype: a view of the cache when the pages are physically
+        consecutive, else a copy (into ``out`` when given).
     """
     ps, D = kv_cache.shape[1], kv_cache.shape[2]
     p0, p1 = start // ps, (end - 1) // ps + 1
-    pages = block_row[p0:p1].long()
+    pages = block_row[p0:p1]
     first = int(pages[0])
     if p1 - p0 == 1 or bool((pages[1:] - pages[:-1] == 1).all()):
         rows = kv_cache[first : first + (p1 - p0)].reshape(-1, D)
+    elif out is not None:
+        dst = out[: (p1 - p0) * ps * D].view(p1 - p0, ps * D)
+        torch.index_select(kv_cache.view(kv_cache.shape[0], ps * D), 0, pages, out=dst)
+        rows = dst.view(-1, D)
     else:
-        rows = kv_cache.index_select(0, pages).view(-1, D)
+        rows = kv_cache.index_select(0, pages.long()).view(-1, D)
     return rows[start - p0 * ps : end - p0 * ps]
 
 
@@ -115,12 +125,26 @@ def absorbed_attention(
         raise ValueError(
             f"kv_cache row width {kv_cache.shape[-1]} != kv_lora_rank + rope = {r} + {rope}"
         )
-    cd = q_lat.dtype
+    dev, cd = q_lat.device, q_lat.dtype
     q = torch.cat([q_lat, q_pe.to(cd)], dim=-1) if rope else q_lat  # [T, H, D]: query only
-    o_lat = torch.empty(T, H, r, dtype=cd, device=q_lat.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q_lat.device)
+    o_lat = torch.empty(T, H, r, dtype=cd, device=dev)
+    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    if T == 0:
+        return o_lat, lse
     kv_mult = float(kv_scale) if kv_scale is not None else 1.0
     score_scale = softmax_scale * kv_mult
+    # One workspace per call, reused by every request and split: large fresh allocations
+    # cost page faults on every call on CPU.
+    ps = kv_cache.shape[1]
+    max_rows = max(n for n in batch.new_lens) * H
+    split = _split_tokens(max_rows, batch.max_kv_len)
+    split_pages = -(-split // ps) + 1
+    gather_buf = torch.empty(split_pages * ps * D, dtype=kv_cache.dtype, device=dev)
+    conv_buf = (
+        torch.empty(split_pages * ps, D, dtype=cd, device=dev) if kv_cache.dtype != cd else None
+    )
+    s_buf = torch.empty(max_rows * split, dtype=cd, device=dev)
+    f_buf = torch.empty(max_rows * split, dtype=torch.float32, device=dev)
     for i in range(batch.num_reqs):
         n = batch.new_lens[i]
         if n == 0:
@@ -128,25 +152,27 @@ def absorbed_attention(
         P = batch.prefix_lens[i]
         L = P + n
         t0 = batch.cu_new[i]
-        qi = q[t0 : t0 + n].reshape(n * H, D)
-        split = _split_tokens(n * H, L)
+        rows = n * H
+        qi = q[t0 : t0 + n].reshape(rows, D)
         acc = m_acc = l_acc = None
         block_row = batch.block_table[i]
         for s in range(0, L, split):
             e = min(L, s + split)
-            kv = gather_latent(kv_cache, block_row, s, e)
-            if kv.dtype != cd:
-                kv = kv.to(cd)
-            scores = torch.mm(qi, kv.t()).float().mul_(score_scale)  # [nH, c]
+            c = e - s
+            kv = gather_latent(kv_cache, block_row, s, e, out=gather_buf)
+            if conv_buf is not None:
+                kv = conv_buf[:c].copy_(kv)
+            sc = torch.mm(qi, kv.t(), out=s_buf[: rows * c].view(rows, c))
+            scores = f_buf[: rows * c].view(rows, c).copy_(sc).mul_(score_scale)
             if e > P + 1 and n > 1:  # causal among the new tokens
-                pos = torch.arange(s, e, device=q.device)
-                limit = P + torch.arange(n, device=q.device)
+                pos = torch.arange(s, e, device=dev)
+                limit = P + torch.arange(n, device=dev)
                 mask = pos[None, :] > limit[:, None]  # [n, c]
-                scores.view(n, H, e - s).masked_fill_(mask[:, None, :], float("-inf"))
+                scores.view(n, H, c).masked_fill_(mask[:, None, :], float("-inf"))
             m = scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)
             p = torch.exp_(scores.sub_(m))
             l = p.sum(dim=-1, keepdim=True)
-            o = torch.mm(p.to(cd), kv[:, :r]).float()
+            o = torch.mm(sc.copy_(p), kv[:, :r]).float()
             if acc is None:
                 acc, m_acc, l_acc = o, m, l
             else:
@@ -158,6 +184,6 @@ def absorbed_attention(
         out = acc.div_(l_acc)
         if kv_mult != 1.0:
             out.mul_(kv_mult)
-        o_lat[t0 : t0 + n] = out.view(n, H, r).to(cd)
+        o_lat[t0 : t0 + n] = out.view(n, H, r)
         lse[t0 : t0 + n] = (m_acc + torch.log(l_acc)).view(n, H)
     return o_lat, lse

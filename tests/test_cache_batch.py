@@ -1,0 +1,99 @@
+"""Paged latent cache writes (slot mapping, padding, fp8) and batch validation errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_backend as mb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, mb.FP8_DTYPE])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_write_latent_slots_and_padding(dtype: torch.dtype, page_size: int) -> None:
+    cache = torch.zeros(6, page_size, 10, dtype=dtype)
+    slots = torch.tensor([3, -1, 6 * page_size - 1, 0, -1])
+    c_kv, k_pe = torch.randn(5, 8), torch.randn(5, 2)
+    scale = torch.tensor(0.01) if dtype == mb.FP8_DTYPE else None
+    mb.write_latent(cache, c_kv, k_pe, slots, scale)
+    flat = cache.view(-1, 10).float() * (scale if scale is not None else 1)
+    rows = torch.cat([c_kv, k_pe], -1)
+    tol = {torch.float32: 0, torch.bfloat16: 1e-2, torch.float16: 1e-3, mb.FP8_DTYPE: 0.07}[dtype]
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            torch.testing.assert_close(flat[s], rows[t], atol=tol * 4, rtol=tol)
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [i for i in range(flat.shape[0]) if i not in written]
+    assert flat[untouched].abs().sum() == 0  # padding never lands anywhere
+
+
+def test_cache_validation_names_values() -> None:
+    with pytest.raises(ValueError, match=r"\[num_pages, page_size, 10\]"):
+        mb.write_latent(
+            torch.zeros(2, 4, 9),
+            torch.zeros(1, 8),
+            torch.zeros(1, 2),
+            torch.zeros(1, dtype=torch.long),
+        )
+    with pytest.raises(ValueError, match="int8"):
+        mb.write_latent(
+            torch.zeros(2, 4, 10, dtype=torch.int8),
+            torch.zeros(1, 8),
+            torch.zeros(1, 2),
+            torch.zeros(1, dtype=torch.long),
+        )
+    with pytest.raises(ValueError, match="kv_scale"):
+        mb.write_latent(
+            torch.zeros(2, 4, 10),
+            torch.zeros(1, 8),
+            torch.zeros(1, 2),
+            torch.zeros(1, dtype=torch.long),
+            torch.tensor(1.0),
+        )
+
+
+def test_batch_validation_names_values() -> None:
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_size=0"):
+        mb.MLABatch.build([0, 0], [1, 1], bt, 0)
+    with pytest.raises(ValueError, match="needs 4 pages"):
+        mb.MLABatch.build([60, 0], [1, 1], bt, 16)
+    with pytest.raises(ValueError, match="3 requests but new_lens has 2"):
+        mb.MLABatch.build([0, 0, 0], [1, 1], bt, 16)
+    with pytest.raises(ValueError, match=r"\[1, 2\]"):
+        mb.MLABatch.build([0, 0], [1, 2], bt, 16, mb.Phase.DECODE)
+    with pytest.raises(ValueError, match="float32"):
+        mb.MLABatch.build([0], [1], torch.zeros(1, 1), 16)
+
+
+def test_batch_select_and_token_index() -> None:
+    bt = torch.arange(12, dtype=torch.int32).view(3, 4)
+    b = mb.MLABatch.build(torch.tensor([0, 5, 9]), [3, 1, 2], bt, 4)
+    assert b.cu_new == [0, 3, 4, 6] and b.kv_lens == [3, 6, 11]
+    assert b.token_index([2, 0]) == [4, 5, 0, 1, 2]
+    s = b.select([2, 0])
+    assert s.prefix_lens == [9, 0] and torch.equal(s.block_table, bt[[2, 0]])
+
+
+def test_attention_rejects_bad_inputs() -> None:
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    b = mb.MLABatch.build([0], [2], bt, 4)
+    cache = torch.zeros(3, 4, 10)
+    with pytest.raises(ValueError, match="int64"):
+        mb.absorbed_attention(
+            torch.zeros(2, 1, 8, dtype=torch.int64), torch.zeros(2, 1, 2), cache, b, 1.0
+        )
+    with pytest.raises(ValueError, match="3 tokens|2 tokens"):
+        mb.absorbed_attention(torch.zeros(3, 1, 8), torch.zeros(3, 1, 2), cache, b, 1.0)
+    with pytest.raises(ValueError, match="page size 4 != batch.page_size 8"):
+        mb.absorbed_attention(
+            torch.zeros(2, 1, 8),
+            torch.zeros(2, 1, 2),
+            cache,
+            mb.MLABatch.build([0], [2], bt, 8),
+            1.0,
+        )
+    with pytest.raises(ValueError, match="MLA_BACKEND_IMPL='cuda'"):
+        mb.absorbed_attention(
+            torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), cache, b, 1.0, impl="cuda"
+        )

@@ -1,0 +1,42 @@
+"""fp8 absorption bmm: torch._scaled_mm branch and the exact dequantize fallback vs bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DIMS, make_case
+
+import mla_backend as mb
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_scaled_mm_and_fallback_agree_and_bound_error(per_token: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 5, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(8, 128, 96, generator=g) / 11
+    w_q, w_s = mb.quantize_fp8(w)
+    exact = torch.bmm(a.float(), w)
+    fast = mb.fp8_bmm(a, w_q, w_s, per_token=per_token, use_scaled_mm=True)
+    slow = mb.fp8_bmm(a, w_q, w_s, per_token=per_token, use_scaled_mm=False)
+    assert fast.dtype == torch.bfloat16
+    # both branches compute the same quantized product (up to bf16 rounding of the output)
+    torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=1e-2)
+    # e4m3 has a 3-bit mantissa: relative error per element <= 2^-4; bound the matmul error
+    rel = (fast.float() - exact).norm() / exact.norm()
+    assert rel < 0.06, rel
+
+
+def test_fp8_absorbed_layer_close_to_bf16() -> None:
+    case = make_case(DIMS["lite"], [100, 3], [1, 5], 16, dtype=torch.bfloat16)
+    w8 = mb.split_kv_b_proj(case.kv_b.to(torch.bfloat16), case.dims, keep_fp8=True)
+    assert w8.fp8 and w8.W_UK.dtype == mb.FP8_DTYPE
+    attn8 = mb.MLAAttention(case.dims, w8, policy=mb.Policy("absorb"))
+    out = attn8(case.q_nope, case.q_pe, case.kv_cache, case.batch).float()
+    ref = case.oracle()
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < 0.08, rel
+
+
+def test_fp8_bmm_rejects_non_fp8_weight() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        mb.fp8_bmm(torch.randn(1, 2, 3), torch.randn(1, 3, 4), torch.ones(()))

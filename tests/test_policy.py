@@ -1,0 +1,90 @@
+"""The no_absorb() policy family: each rule's decisions on constructed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_backend as mb
+from mla_backend.policy import CPU_PROFILE, absorbed_cost, normal_cost
+
+DEEPSEEK = mb.MLADims(128, 512, 128, 64, 128)
+LITE = mb.MLADims(16, 512, 128, 64, 128)
+
+
+def batch(prefix: list[int], new: list[int], phase: mb.Phase) -> mb.MLABatch:
+    pages = max(p + n for p, n in zip(prefix, new))
+    return mb.MLABatch.build(
+        prefix, new, torch.zeros(len(prefix), pages, dtype=torch.int32), 1, phase
+    )
+
+
+@pytest.mark.parametrize(
+    "prefix,new,phase,normal",
+    [
+        ([0, 0], [100, 7], mb.Phase.EXTEND, True),  # fresh prefill
+        ([0, 5], [100, 7], mb.Phase.EXTEND, False),  # extend onto a short prefix
+        ([9000, 0], [100, 7], mb.Phase.EXTEND, True),  # long prefix: chunked-prefix MHA
+        ([0, 0], [1, 1], mb.Phase.DECODE, False),
+        ([0, 0], [4, 4], mb.Phase.TARGET_VERIFY, False),
+        ([0, 0], [4, 4], mb.Phase.DRAFT_EXTEND, False),
+        ([0, 0], [100, 1], mb.Phase.MIXED, False),  # not a plain extend batch
+    ],
+)
+def test_sglang_rule(prefix: list[int], new: list[int], phase: mb.Phase, normal: bool) -> None:
+    p = mb.Policy("sglang", chunked_prefix_threshold=8192)
+    b = batch(prefix, new, phase)
+    assert p.batch_uses_normal(b, DEEPSEEK) is normal
+    assert p.choose(b, DEEPSEEK).use_absorbed == [not normal] * len(prefix)
+
+
+def test_debug_modes() -> None:
+    b = batch([0, 50], [300, 1], mb.Phase.MIXED)
+    assert mb.Policy("absorb").choose(b, DEEPSEEK).batch_mode == "absorbed"
+    assert mb.Policy("normal").choose(b, DEEPSEEK).batch_mode == "normal"
+
+
+def test_cost_mode_decisions() -> None:
+    p = mb.Policy("cost")
+    b = batch([0, 4000, 0, 0], [1, 1, 8, 2048], mb.Phase.MIXED)
+    assert p.choose(b, DEEPSEEK).use_absorbed == [True, True, True, False]
+    spec = batch([0, 0], [2048, 2048], mb.Phase.TARGET_VERIFY)
+    assert p.choose(spec, DEEPSEEK).batch_mode == "absorbed"
+
+
+def test_cost_crossover_is_monotone_and_near_the_notes() -> None:
+    """Absorbed wins for few new tokens, normal for many; at DeepSeek dims on a fresh prefill
+    the switch lies within a factor of ~3 of the notes' FLOP-only ~170 tokens."""
+    for dims in (DEEPSEEK, LITE):
+        wins = [
+            absorbed_cost(dims, 0, n, CPU_PROFILE) <= normal_cost(dims, 0, n, CPU_PROFILE)
+            for n in range(1, 4096)
+        ]
+        switch = wins.index(False) + 1
+        assert all(wins[: switch - 1]) and not any(wins[switch - 1 :])
+        if dims is DEEPSEEK:
+            assert 60 <= switch <= 500, switch
+    # a long cached prefix makes decompression expensive: a short extend stays absorbed
+    assert absorbed_cost(DEEPSEEK, 16384, 64, CPU_PROFILE) < normal_cost(
+        DEEPSEEK, 16384, 64, CPU_PROFILE
+    )
+
+
+def test_env_selects_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLA_BACKEND_POLICY", "SGLang")
+    monkeypatch.setenv("MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD", "100")
+    p = mb.Policy.from_env()
+    assert p.mode == "sglang" and p.chunked_prefix_threshold == 100
+    monkeypatch.setenv("MLA_BACKEND_POLICY", "fastest")
+    with pytest.raises(ValueError, match="'fastest'"):
+        mb.Policy.from_env()
+    monkeypatch.setenv("MLA_BACKEND_POLICY", "cost")
+    monkeypatch.setenv("MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD", "lots")
+    with pytest.raises(ValueError, match="'lots'"):
+        mb.Policy.from_env()
+
+
+def test_choice_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("DEBUG", logger="mla_backend.policy"):
+        mb.Policy("cost").choose(batch([0], [1], mb.Phase.DECODE), LITE)
+    assert "-> absorbed" in caplog.text
