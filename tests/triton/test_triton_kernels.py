@@ -464,3 +464,26 @@ def test_fp8_bmm_uses_scaled_mm_and_matches_dequantized(monkeypatch) -> None:
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
     loose = torch.bmm(a.double(), w.double())  # and close to the unquantized product
     assert float((got.double() - loose).abs().mean()) < 0.1 * float(loose.abs().mean())
+
+
+def _load_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("triton_gpu_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_plumbing_on_cpu(capsys) -> None:
+    bench = _load_benchmark()
+    # FlashMLA's accounting: 1 ms, b=1, q_len=1, 1 head, 1000 kv tokens, bf16.
+    tflops, gbs = bench._flashmla_throughput(1.0, 1, 1, 1, 1000, 2)
+    assert tflops == pytest.approx(2 * 1000 * 1088 / 1e9)
+    assert gbs == pytest.approx((1000 * 576 + 576 + 512) * 2 / 1e6)
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 0
+        assert "needs a CUDA or ROCm GPU" in capsys.readouterr().out
+    assert bench.main(["--smoke"]) == 0  # every benchmark code path, tiny CPU shapes

@@ -1,0 +1,180 @@
+"""GPU benchmark of the Triton absorbed-MLA kernels on FlashMLA's published shapes.
+
+Needs a CUDA or ROCm device (on CPU it says so and exits 0: the Triton interpreter is a
+correctness tool, its timings mean nothing). Shapes follow FlashMLA's decode benchmark:
+batch 128, mean kv length 4096 / 8192 (fixed, or ragged ~ N(mean, mean/2) clipped at q_len),
+query heads 16 / 32 / 64 / 128 (TP 8 / 4 / 2 / 1 of DeepSeek-V3), q_len 1 (decode) and 2
+(MTP / speculative verify: an extend of 2 causal tokens onto the prefix), latent 576 = r 512 +
+rope 64, value 512, page size 64. Throughput uses FlashMLA's formulas, so numbers are
+comparable with its README (H800: ~3000 GB/s memory-bound, 580-660 TFLOP/s compute-bound):
+
+    FLOPs = 2 * q_len * total_kv * heads * (576 + 512)
+    bytes = (total_kv * 576 + batch * q_len * heads * (576 + 512)) * element_size
+    TFLOP/s = FLOPs / 1e9 / ms;  GB/s = bytes / 1e6 / ms
+
+Usage: python benchmarks/triton_gpu_bench.py [--cache fp8] [--quick] [--no-check]
+       TRITON_INTERPRET=1 python benchmarks/triton_gpu_bench.py --smoke   (CPU: plumbing only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+
+R, ROPE, DV = 512, 64, 512
+D = R + ROPE
+PAGE = 64
+
+
+def _flashmla_throughput(
+    ms: float, batch: int, q_len: int, heads: int, total_kv: int, elem_bytes: int
+) -> tuple[float, float]:
+    """(TFLOP/s, GB/s) with FlashMLA's accounting (one kv head of width 576, value 512)."""
+    flops = 2 * q_len * total_kv * heads * (D + DV)
+    nbytes = (total_kv * D + batch * q_len * heads * D + batch * q_len * heads * DV) * elem_bytes
+    return flops / 1e9 / ms, nbytes / 1e6 / ms
+
+
+def _case(
+    dev: torch.device,
+    batch: int,
+    mean_kv: int,
+    heads: int,
+    q_len: int,
+    varlen: bool,
+    cache_dtype: torch.dtype,
+):
+    """Build (q_lat, q_pe, kv_cache, MLABatch, kv_scale, kv_lens) on ``dev``."""
+    import mla_backend as mb
+
+    kv_lens = [mean_kv] * batch
+    if varlen:
+        kv_lens = [max(int(random.normalvariate(mean_kv, mean_kv / 2)), q_len) for _ in kv_lens]
+    pages = [-(-L // PAGE) for L in kv_lens]
+    max_pages = max(pages)
+    perm = torch.randperm(sum(pages), device=dev).to(torch.int32)
+    table = torch.zeros(batch, max_pages, dtype=torch.int32, device=dev)
+    k = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[k : k + n]
+        k += n
+    cache = torch.randn(sum(pages), PAGE, D, device=dev, dtype=torch.bfloat16)
+    kv_scale = None
+    if cache_dtype != torch.bfloat16:
+        kv_scale = torch.tensor(0.05, device=dev)
+        cache = (cache.float() / kv_scale).clamp(-448, 448).to(cache_dtype)
+    batch_desc = mb.MLABatch.build(
+        [L - q_len for L in kv_lens], [q_len] * batch, table, PAGE, mb.Phase.MIXED
+    )
+    T = batch * q_len
+    q_lat = torch.randn(T, heads, R, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(T, heads, ROPE, device=dev, dtype=torch.bfloat16)
+    return q_lat, q_pe, cache, batch_desc, kv_scale, kv_lens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cache", choices=["bf16", "fp8"], default="bf16", help="latent cache dtype")
+    p.add_argument("--quick", action="store_true", help="only mean kv 4096, heads 16 and 128")
+    p.add_argument("--no-check", action="store_true", help="skip the torch-path comparison")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on CPU under TRITON_INTERPRET=1, no timing (tests the script itself)",
+    )
+    args = p.parse_args(argv)
+
+    if args.smoke:
+        return _smoke()
+    if not torch.cuda.is_available():
+        print(
+            "triton_gpu_bench: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False); "
+            "nothing to measure on this machine. The kernels' correctness is tested on CPU "
+            "under TRITON_INTERPRET=1 (tests/triton)."
+        )
+        return 0
+    try:
+        import triton
+    except ImportError:
+        print("triton_gpu_bench: triton is not installed (pip install 'mla-backend[triton]')")
+        return 0
+
+    from mla_backend.ops import torch_ops, triton_ops
+    from mla_backend.ops.triton_kernels import heuristics as hx
+
+    torch.manual_seed(0)
+    random.seed(0)
+    cache_dtype = torch.float8_e4m3fn if args.cache == "fp8" else torch.bfloat16
+    elem = 1 if args.cache == "fp8" else 2
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    print(f"device: {name}, SMs/CUs: {hx.sm_count(dev)}, cache {args.cache}, page {PAGE}")
+    print("batch mean_kv heads q_len varlen splits      ms  TFLOP/s    GB/s  max|o-torch|")
+    means = [4096] if args.quick else [4096, 8192]
+    head_list = [16, 128] if args.quick else [16, 32, 64, 128]
+    scale = 1.0 / (192**0.5)
+    for mean_kv in means:
+        for heads in head_list:
+            for q_len in (1, 2):
+                for varlen in (False, True):
+                    q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
+                        dev, 128, mean_kv, heads, q_len, varlen, cache_dtype
+                    )
+                    block_q, block_h = hx.attention_tiles(heads, q_len)
+                    n_blocks = 128 * -(-q_len // block_q) * -(-heads // block_h)
+                    splits = hx.choose_num_splits(n_blocks, b.max_kv_len, hx.sm_count(dev))
+
+                    def run(q_lat=q_lat, q_pe=q_pe, cache=cache, b=b, kv_scale=kv_scale):
+                        return triton_ops.absorbed_attention(q_lat, q_pe, cache, b, scale, kv_scale)
+
+                    err = float("nan")
+                    if not args.no_check:
+                        o, _ = run()
+                        o_ref, _ = torch_ops.absorbed_attention(
+                            q_lat, q_pe, cache, b, scale, kv_scale
+                        )
+                        err = float((o.float() - o_ref.float()).abs().max())
+                    ms = triton.testing.do_bench(run)
+                    tflops, gbs = _flashmla_throughput(ms, 128, q_len, heads, sum(kv_lens), elem)
+                    print(
+                        f"{128:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
+                        f"{splits:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}"
+                    )
+                    del q_lat, q_pe, cache
+                    torch.cuda.empty_cache()
+    return 0
+
+
+def _smoke() -> int:
+    """Run every code path of the benchmark on tiny CPU shapes (interpreter), no timing."""
+    from mla_backend.ops import torch_ops, triton_ops
+    from mla_backend.ops.triton_kernels import heuristics as hx
+
+    if not hx.interpreting():
+        print("triton_gpu_bench --smoke: set TRITON_INTERPRET=1 (CPU tensors need the interpreter)")
+        return 2
+    torch.manual_seed(0)
+    random.seed(0)
+    cpu = torch.device("cpu")
+    worst = 0.0
+    for cache_dtype, elem in ((torch.bfloat16, 2), (torch.float8_e4m3fn, 1)):
+        for q_len in (1, 2):
+            q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
+                cpu, 2, 80, 16, q_len, True, cache_dtype
+            )
+            o, _ = triton_ops.absorbed_attention(q_lat, q_pe, cache, b, 0.07, kv_scale)
+            o_ref, _ = torch_ops.absorbed_attention(q_lat, q_pe, cache, b, 0.07, kv_scale)
+            err = float((o.float() - o_ref.float()).abs().max())
+            worst = max(worst, err)
+            tflops, gbs = _flashmla_throughput(1.0, 2, q_len, 16, sum(kv_lens), elem)
+            print(
+                f"smoke {cache_dtype} q_len {q_len}: max|o-torch| {err:.3e} ({gbs:.3f} GB at 1 ms)"
+            )
+    return 0 if worst < 5e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
