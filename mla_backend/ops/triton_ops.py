@@ -213,7 +213,7 @@ def absorbed_attention(
     has_scale = kv_scale is not None
     scale = kv_scale.float().reshape(()) if has_scale else lse
 
-    grid = (num_q_blocks, num_h_blocks, num_kv_splits)
+    grid = (num_q_blocks * num_h_blocks, num_kv_splits)
     absorbed_attn_kernel[grid](
         q_lat,
         q_pe,

@@ -7,7 +7,8 @@ of the paged cache; the first ``r`` columns are also the value. For a query row
     score(n) = softmax_scale * (q_lat . c_kv[n] + q_pe . k_pe[n])     (two dots, no concat)
     o_lat    = sum_n softmax(score)(n) * c_kv[n]
 
-``absorbed_attn_kernel``: one program = one block of query rows of ONE request
+``absorbed_attn_kernel``: grid (query blocks x head blocks, splits); one program = one block
+of query rows of ONE request
 (``BLOCK_Q`` consecutive new tokens x ``BLOCK_H`` heads, flattened into ``BLOCK_Q*BLOCK_H``
 rows so every latent row loaded serves all of them) x one KV split. It walks the split's kv
 positions ``BLOCK_N`` at a time through the block table, runs an online softmax in base 2,
@@ -82,9 +83,14 @@ def absorbed_attn_kernel(
     IEEE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # Head blocks vary fastest in launch order, so the programs that read the same latent rows
+    # (all head blocks of one query block and split) run together and share them through L2.
+    # (axis 0 is flattened: grid axes 1 and 2 are limited to 65535 on CUDA).
+    pid = tl.program_id(0)
+    num_h_blocks = tl.cdiv(num_heads, BLOCK_H)
+    pid_h = pid % num_h_blocks
+    pid_b = pid // num_h_blocks
+    pid_s = tl.program_id(1)
 
     req = tl.load(blk_req_ptr + pid_b)
     q0 = tl.load(blk_q0_ptr + pid_b)
