@@ -116,6 +116,7 @@ class MLAAbsorbBackend(AttentionBackend):
         # layer_id -> DeepseekV2AttentionMLA (weakly), bound by the forward-method handler.
         self._owners: dict[int, weakref.ReferenceType] = {}
         self._cores: dict[int, mb.MLAAttention] = {}
+        self._seen_paths: set[tuple[str, str, bool]] = set()
         logger.info(
             "mla_absorb: H=%d r=%d rope=%d nope=%d v=%d page_size=%d kv dtype=%s policy=%s",
             self.num_heads,
@@ -228,6 +229,20 @@ class MLAAbsorbBackend(AttentionBackend):
             self._cores[layer.layer_id] = core
         return core
 
+    def _note_path(self, kind: str, batch: mb.MLABatch) -> None:
+        """Log (INFO) the first batch of each (path, phase, has-prefix) combination."""
+        key = (kind, batch.phase.value, any(batch.prefix_lens))
+        if key not in self._seen_paths:
+            self._seen_paths.add(key)
+            logger.info(
+                "mla_absorb path=%s phase=%s has_prefix=%s prefix_lens=%s new_lens=%s",
+                kind,
+                batch.phase.value,
+                key[2],
+                batch.prefix_lens[:8],
+                batch.new_lens[:8],
+            )
+
     # ------------------------------------------------------------------ forward
     @staticmethod
     def _is_mha_call(layer: Any) -> bool:
@@ -280,8 +295,10 @@ class MLAAbsorbBackend(AttentionBackend):
                 q_lat[: batch.num_tokens], q_pe[: batch.num_tokens], kv_cache, batch, layer.scaling
             )
             out[: batch.num_tokens] = o_lat
+            self._note_path("absorbed", batch)
             return out.view(T, H * r)
         o_lat, _ = mb.absorbed_attention(q_lat, q_pe, kv_cache, batch, layer.scaling)
+        self._note_path("absorbed", batch)
         return o_lat.reshape(T, H * r)
 
     def _forward_normal(self, q, layer, forward_batch, batch):
@@ -294,7 +311,10 @@ class MLAAbsorbBackend(AttentionBackend):
         T = q.shape[0]
         qv = q.view(T, H, nope + rope)
         n = batch.num_tokens
-        o = self._core(layer)(qv[:n, :, :nope], qv[:n, :, nope:], self.paged_cache(layer.layer_id), batch)
+        core = self._core(layer)
+        o = core(qv[:n, :, :nope], qv[:n, :, nope:], self.paged_cache(layer.layer_id), batch)
+        if core.last_choice is not None:
+            self._note_path(f"normal-call:{core.last_choice.batch_mode}", batch)
         if n != T:
             out = q.new_zeros(T, H, self.v_head_dim)
             out[:n] = o

@@ -1,0 +1,173 @@
+"""Test tooling: a tiny DeepSeek-V2 checkpoint, a CPU SGLang server on 127.0.0.1, and the
+transformers oracle (``DeepseekV2ForCausalLM`` on the same safetensors weights).
+
+Every request and wait loop is bounded; the server runs in its own process group, which the
+fixture's teardown terminates (SIGTERM, then SIGKILL) by its id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STUBS = str(Path(__file__).resolve().parent / "stubs")
+# SGLang's CPU rotary path asserts yarn rope_scaling; mscale == mscale_all_dim keeps the rope
+# magnitude 1 but still scales the softmax by mscale(factor, mscale_all_dim)^2.
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+STARTUP_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 120
+
+
+def make_model(path: Path, **dims: Any) -> Path:
+    """A tiny random DeepSeek-V2 checkpoint (fp32 safetensors) via mla_backend.tiny_model."""
+    from mla_backend.tiny_model import make_tiny_deepseek_v2
+
+    make_tiny_deepseek_v2(path, rope_scaling=YARN, dtype="float32", **dims)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": True,
+            },
+            "return_logprob": True,
+        }
+        req = urllib.request.Request(
+            self.url + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+
+
+def start_server(
+    model: Path, log_path: Path, extra_args: list[str], env: dict[str, str] | None = None
+) -> Server:
+    """``SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu`` bound to 127.0.0.1."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model),
+        "--device", "cpu",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "float32",
+        "--max-total-tokens", "4096",
+        "--disable-cuda-graph",
+        "--skip-tokenizer-init",
+        *extra_args,
+    ]  # fmt: skip
+    full_env = dict(os.environ)
+    full_env["SGLANG_USE_CPU_ENGINE"] = "1"
+    pp = full_env.get("PYTHONPATH", "")
+    full_env["PYTHONPATH"] = STUBS + (os.pathsep + pp if pp else "")
+    full_env.update(env or {})
+    log = open(log_path, "wb")  # noqa: SIM115 (closed by the child's exit)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+    )
+    server = Server(proc, port, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+        try:
+            with urllib.request.urlopen(server.url + "/model_info", timeout=5) as r:
+                if r.status == 200 and "The server is fired up" in server.log():
+                    return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(2)
+    server.stop()
+    raise RuntimeError(f"server did not start in {STARTUP_TIMEOUT_S}s:\n{server.log()[-4000:]}")
+
+
+class Oracle:
+    """transformers' DeepseekV2ForCausalLM (fp32, eager attention) on the same weights."""
+
+    def __init__(self, model: Path) -> None:
+        from transformers import DeepseekV2ForCausalLM
+
+        self.model = DeepseekV2ForCausalLM.from_pretrained(
+            str(model), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+
+    @torch.no_grad()
+    def greedy(self, input_ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        """(tokens, logprob of each chosen token) of greedy decoding."""
+        out = self.model.generate(
+            torch.tensor([input_ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=3,
+            eos_token_id=None,
+        )
+        toks = out.sequences[0, len(input_ids) :].tolist()
+        lps = [
+            torch.log_softmax(lg[0].float(), -1)[t].item()
+            for lg, t in zip(out.logits, toks, strict=True)
+        ]
+        return toks, lps
+
+
+def tokens_and_logprobs(resp: dict[str, Any]) -> tuple[list[int], list[float]]:
+    entries = resp["meta_info"]["output_token_logprobs"]
+    return [int(e[1]) for e in entries], [float(e[0]) for e in entries]
