@@ -103,6 +103,19 @@ def write_latent(
     )
 
 
+def fp8_decode_mode(device: torch.device) -> str:
+    """How attention reads an fp8 e4m3 cache on ``device``: ``"native"`` or ``"bits"``.
+
+    Triton converts float8e4nv natively on NVIDIA sm_89+ (Ada, Hopper, Blackwell) and in the
+    interpreter; on older NVIDIA GPUs and on ROCm the bytes are decoded with integer ops.
+    """
+    if device.type != "cuda":
+        return "native"
+    if torch.version.hip is not None:
+        return "bits"
+    return "native" if torch.cuda.get_device_capability(device) >= (8, 9) else "bits"
+
+
 def _query_blocks(batch: MLABatch, block_q: int, device: torch.device) -> torch.Tensor:
     """[2, num_q_blocks] int32 on ``device``: (request, first new token) of each query block.
 
@@ -131,6 +144,7 @@ def absorbed_attention(
     *,
     num_kv_splits: int | None = None,
     block_n: int | None = None,
+    fp8_decode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over the paged latent cache (decode and extend), in Triton.
 
@@ -144,6 +158,8 @@ def absorbed_attention(
         kv_scale: float32 scalar: cached values are ``stored * kv_scale`` (fp8 caches).
         num_kv_splits: force the split count (default: :func:`heuristics.choose_num_splits`).
         block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
+        fp8_decode: ``"native"`` (Triton's e4m3 conversion) or ``"bits"`` (integer decode of
+            the bytes); default: :func:`fp8_decode_mode` of the device.
     Returns:
         o_lat: [T, H, r] in q_lat's dtype; lse: [T, H] float32 (natural log).
     """
@@ -212,12 +228,19 @@ def absorbed_attention(
         dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
     has_scale = kv_scale is not None
     scale = kv_scale.float().reshape(()) if has_scale else lse
+    fp8_bits = False
+    if kv_cache.dtype == _fp8.FP8_DTYPE:
+        mode = fp8_decode or fp8_decode_mode(device)
+        if mode not in ("native", "bits"):
+            raise ValueError(f"fp8_decode={fp8_decode!r} is not supported; use 'native' or 'bits'")
+        fp8_bits = mode == "bits"
+    kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
 
     grid = (num_q_blocks * num_h_blocks, num_kv_splits)
     absorbed_attn_kernel[grid](
         q_lat,
         q_pe,
-        kv_cache,
+        kv_arg,
         block_table,
         meta["prefix_lens"],
         meta["new_lens"],
@@ -249,6 +272,7 @@ def absorbed_attention(
         BLOCK_ROPE=block_rope,
         HAS_ROPE=rope > 0,
         HAS_SCALE=has_scale,
+        FP8_BITS=fp8_bits,
         DOT_DTYPE=_TL_DTYPE[dot_dtype],
         P_DTYPE=_TL_DTYPE[cd],
         IEEE=dot_dtype == torch.float32,

@@ -45,7 +45,10 @@ def _load_triton_ops():
 
 
 tops = _load_triton_ops()
+import triton.language as tl  # noqa: E402
+
 from mla_backend.ops.triton_kernels import heuristics as hx  # noqa: E402
+from mla_backend.ops.triton_kernels.attention import _e4m3_bits_to_f32  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # Case construction and the independent reference
@@ -301,6 +304,44 @@ def test_dtypes_and_fp8_cache(q_dtype: torch.dtype, cache_dtype: torch.dtype) ->
         seed=11,
     )
     assert_matches(case, case.triton(num_kv_splits=3))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_cache_decoded_from_bytes(q_dtype: torch.dtype) -> None:
+    """The integer e4m3 decode (GPUs without native fp8 in Triton) gives the same result."""
+    case = Case(
+        [30, 3],
+        [1, 2],
+        H=3,
+        r=24,
+        rope=8,
+        page_size=16,
+        cache_dtype=FP8_DTYPE,
+        q_dtype=q_dtype,
+        seed=13,
+    )
+    bits = case.triton(num_kv_splits=2, fp8_decode="bits")
+    assert_matches(case, bits)
+    native = case.triton(num_kv_splits=2, fp8_decode="native")
+    assert torch.equal(bits[0], native[0]) and torch.equal(bits[1], native[1])
+
+
+@triton.jit
+def _decode_bytes_kernel(src, dst, N: tl.constexpr):
+    """One program around the attention kernel's e4m3 byte decoder."""
+    offs = tl.arange(0, N)
+    tl.store(dst + offs, _e4m3_bits_to_f32(tl.load(src + offs)))
+
+
+def test_e4m3_byte_decode_all_codes() -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256)
+    _decode_bytes_kernel[(1,)](codes, out, 256)
+    want = codes.view(FP8_DTYPE).float()
+    finite = torch.isfinite(want)  # 0x7F / 0xFF are NaN codes
+    assert int((~finite).sum()) == 2
+    assert torch.equal(out[finite], want[finite])
+    assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))  # -0.0 kept
 
 
 def test_fp8_scale_is_applied() -> None:

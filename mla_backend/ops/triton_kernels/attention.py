@@ -20,7 +20,9 @@ writes output 0 and LSE -inf. A decode is the ``BLOCK_Q = 1`` special case of th
 ``(o_s, lse_s)`` by ``o = sum_s exp(lse_s - lse) o_s`` with ``lse = logsumexp_s lse_s``.
 
 fp8 e4m3 caches: rows are converted to the dot dtype unscaled (exact for e4m3 -> bf16/fp16)
-and the per-tensor scale is applied once to the scores and once to the output.
+and the per-tensor scale is applied once to the scores and once to the output. Where Triton
+has no native e4m3 conversion (NVIDIA before sm_89, ROCm) the cache is read as bytes and
+decoded with integer ops (``_e4m3_bits_to_f32``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,24 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _e4m3_bits_to_f32(b):
+    """float8 e4m3fn bit patterns (uint8) -> float32 values, with integer ops only.
+
+    For GPUs without a native e4m3 conversion in Triton (NVIDIA before sm_89, ROCm): the cache
+    is read as bytes. Normal: 2^(e-7) * (1 + m/8); subnormal (e = 0): m * 2^-9. The NaN code
+    (e = 15, m = 7) decodes to 480 instead of NaN (writers never produce it: they saturate).
+    """
+    b = b.to(tl.int32)
+    sign = (b & 0x80) << 24
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # 2^-9
+    sub = tl.where(sign != 0, -sub, sub)
+    return tl.where(e == 0, sub, normal)
 
 
 @triton.jit
@@ -78,6 +98,7 @@ def absorbed_attn_kernel(
     BLOCK_ROPE: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    FP8_BITS: tl.constexpr,  # kv_ptr is the fp8 cache viewed as uint8: decode in-kernel
     DOT_DTYPE: tl.constexpr,  # dtype fed to tl.dot (q's dtype; fp32 under the interpreter for bf16)
     P_DTYPE: tl.constexpr,  # probabilities are rounded to q's dtype before P @ V, as on GPU
     IEEE: tl.constexpr,
@@ -145,16 +166,22 @@ def absorbed_attn_kernel(
         n_ok = offs_n < end
         page = tl.load(bt_row + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
         rows = kv_ptr + page * stride_kvp + (offs_n % page_size).to(tl.int64) * stride_kvs
-        kv = tl.load(
-            rows[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
-        ).to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
+        kv_ptrs = rows[:, None] + offs_r[None, :]
+        kv_mask = n_ok[:, None] & r_ok[None, :]
+        if FP8_BITS:
+            kv = _e4m3_bits_to_f32(tl.load(kv_ptrs, mask=kv_mask, other=0))
+        else:
+            kv = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+        kv = kv.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
         s = _dot(q_lat, tl.trans(kv), IEEE)
         if HAS_ROPE:
-            k_pe = tl.load(
-                rows[:, None] + r_dim + offs_p[None, :],
-                mask=n_ok[:, None] & p_ok[None, :],
-                other=0.0,
-            ).to(DOT_DTYPE)
+            pe_ptrs = rows[:, None] + r_dim + offs_p[None, :]
+            pe_mask = n_ok[:, None] & p_ok[None, :]
+            if FP8_BITS:
+                k_pe = _e4m3_bits_to_f32(tl.load(pe_ptrs, mask=pe_mask, other=0))
+            else:
+                k_pe = tl.load(pe_ptrs, mask=pe_mask, other=0.0)
+            k_pe = k_pe.to(DOT_DTYPE)
             s += _dot(q_pe, tl.trans(k_pe), IEEE)
         s = s * qk_scale
         visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
