@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mla_backend as mb  # noqa: E402
 from common import paged_latents, random_weights, write_table  # noqa: E402
-from mla_backend.decompressed import DecompressedCache, cd_attention  # noqa: E402
 from roofline import best_time, peak_bf16_flops, read_bandwidth  # noqa: E402
+
+import mla_backend as mb  # noqa: E402
+from mla_backend.decompressed import DecompressedCache, cd_attention  # noqa: E402
 
 DT = torch.bfloat16
 

@@ -66,35 +66,41 @@ class PathChoice:
         return "mixed"
 
 
+def _phase(flops: float, nbytes: float, profile: DeviceProfile, efficiency: float = 1.0) -> float:
+    """Roofline time of one phase: compute and memory traffic overlap within a phase."""
+    return max(flops / (profile.peak_flops * efficiency), nbytes / profile.bandwidth)
+
+
 def absorbed_cost(
     dims: MLADims, prefix: int, new: int, profile: DeviceProfile, elt: int = 2
 ) -> float:
-    """Roofline seconds of the absorbed path for one request (P cached, N new tokens)."""
+    """Roofline seconds of the absorbed path for one request (P cached, N new tokens):
+    the two absorption bmms (reading ``W_UK``/``W_UV``), then MQA over the latent, which is
+    read once for all heads."""
     H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    w = H * r * (dims.qk_nope_head_dim + dims.v_head_dim)
     kv_avg = prefix + (new + 1) / 2  # causal among the new tokens
-    flops = 2 * new * kv_avg * H * (2 * r + rope)
-    flops += 2 * new * H * r * (dims.qk_nope_head_dim + dims.v_head_dim)  # W_UK, W_UV bmms
-    bytes_ = (prefix + new) * (r + rope) * elt + H * r * (
-        dims.qk_nope_head_dim + dims.v_head_dim
-    ) * elt
-    return max(flops / profile.peak_flops, bytes_ / profile.bandwidth)
+    bmm = _phase(2 * new * w, w * elt, profile)
+    attn = _phase(2 * new * kv_avg * H * (2 * r + rope), (prefix + new) * (r + rope) * elt, profile)
+    return bmm + attn
 
 
 def normal_cost(
     dims: MLADims, prefix: int, new: int, profile: DeviceProfile, elt: int = 2
 ) -> float:
-    """Roofline seconds of the normal (decompress + MHA) path for one request."""
+    """Roofline seconds of the normal path for one request: decompress all P + N latents
+    (reading ``kv_b_proj``, writing per-head K/V), then MHA over the decompressed K/V."""
     H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     nope, v = dims.qk_nope_head_dim, dims.v_head_dim
+    w = H * r * (nope + v)
     kv = prefix + new
     kv_avg = prefix + (new + 1) / 2
-    decomp_flops = 2 * kv * H * r * (nope + v)
-    attn_flops = 2 * new * kv_avg * H * (nope + rope + v)
-    bytes_ = kv * (r + rope) * elt + 2 * kv * H * (nope + rope + v) * elt
-    t_flops = decomp_flops / profile.peak_flops + attn_flops / (
-        profile.peak_flops * profile.attn_efficiency
+    kv_bytes = kv * H * (nope + rope + v) * elt
+    decompress = _phase(2 * kv * w, w * elt + kv * (r + rope) * elt + kv_bytes, profile)
+    attn = _phase(
+        2 * new * kv_avg * H * (nope + rope + v), kv_bytes, profile, profile.attn_efficiency
     )
-    return max(t_flops, bytes_ / profile.bandwidth)
+    return decompress + attn
 
 
 class Policy:

@@ -46,28 +46,41 @@ def test_debug_modes() -> None:
 
 def test_cost_mode_decisions() -> None:
     p = mb.Policy("cost")
-    b = batch([0, 4000, 0, 0], [1, 1, 8, 2048], mb.Phase.MIXED)
-    assert p.choose(b, DEEPSEEK).use_absorbed == [True, True, True, False]
+    b = batch([0, 4000, 0, 4000], [1, 1, 2048, 2048], mb.Phase.MIXED)
+    assert p.choose(b, DEEPSEEK).use_absorbed == [True, True, False, False]
     spec = batch([0, 0], [2048, 2048], mb.Phase.TARGET_VERIFY)
     assert p.choose(spec, DEEPSEEK).batch_mode == "absorbed"
+    assert not p.batch_uses_normal(batch([0, 0], [1, 1], mb.Phase.DECODE), DEEPSEEK)
+    assert p.batch_uses_normal(batch([0, 0], [2048, 900], mb.Phase.EXTEND), DEEPSEEK)
 
 
-def test_cost_crossover_is_monotone_and_near_the_notes() -> None:
-    """Absorbed wins for few new tokens, normal for many; at DeepSeek dims on a fresh prefill
-    the switch lies within a factor of ~3 of the notes' FLOP-only ~170 tokens."""
-    for dims in (DEEPSEEK, LITE):
-        wins = [
-            absorbed_cost(dims, 0, n, CPU_PROFILE) <= normal_cost(dims, 0, n, CPU_PROFILE)
-            for n in range(1, 4096)
-        ]
-        switch = wins.index(False) + 1
-        assert all(wins[: switch - 1]) and not any(wins[switch - 1 :])
-        if dims is DEEPSEEK:
-            assert 60 <= switch <= 500, switch
-    # a long cached prefix makes decompression expensive: a short extend stays absorbed
-    assert absorbed_cost(DEEPSEEK, 16384, 64, CPU_PROFILE) < normal_cost(
-        DEEPSEEK, 16384, 64, CPU_PROFILE
+def switch_point(dims: mb.MLADims, prefix: int) -> int:
+    """Smallest N where the normal path is estimated cheaper; asserts monotonicity."""
+    wins = [
+        absorbed_cost(dims, prefix, n, CPU_PROFILE) <= normal_cost(dims, prefix, n, CPU_PROFILE)
+        for n in range(1, 4096)
+    ]
+    switch = wins.index(False) + 1
+    assert all(wins[: switch - 1]) and not any(wins[switch - 1 :])
+    return switch
+
+
+@pytest.mark.parametrize("dims", [DEEPSEEK, LITE], ids=["deepseek", "lite"])
+def test_cost_crossover_is_monotone_and_near_the_notes(dims: mb.MLADims) -> None:
+    """Absorbed wins for few new tokens, normal for many. Onto a cached prefix the switch lies
+    within a factor of 3 of the notes' FLOP-only estimate (~170 new tokens: decompressing the
+    prefix costs r*(nope+v) per head and token, absorbed attention 2r+rope - (nope+rope+v)
+    more per query); a fresh prefill switches earlier (nothing cached to decompress)."""
+    flop_only = (
+        dims.kv_lora_rank
+        * (dims.qk_nope_head_dim + dims.v_head_dim)
+        / (2 * dims.kv_lora_rank - dims.qk_nope_head_dim - dims.v_head_dim)
     )
+    for prefix in (1024, 4096, 16384):
+        assert flop_only / 3 <= switch_point(dims, prefix) <= flop_only * 3
+    assert switch_point(dims, 0) < switch_point(dims, 4096)
+    # a long cached prefix keeps a short extend absorbed
+    assert absorbed_cost(dims, 16384, 64, CPU_PROFILE) < normal_cost(dims, 16384, 64, CPU_PROFILE)
 
 
 def test_env_selects_mode(monkeypatch: pytest.MonkeyPatch) -> None:
