@@ -50,6 +50,8 @@ def write_latent(
     k_pe: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    *,
+    fp8_mode: str | None = None,
 ) -> None:
     """Write new tokens' latents into the paged cache (in place).
 
@@ -60,6 +62,7 @@ def write_latent(
             ``slot % page_size``; slots < 0 are padding and are skipped.
         kv_scale: float32 scalar; used for fp8 caches only (stored = value / scale, saturated
             to +-448), ignored otherwise, as in the torch path.
+        fp8_mode: ``"native"`` or ``"bits"`` e4m3 conversion; default :func:`fp8_mode`.
     """
     T, r = c_kv.shape
     rope = k_pe.shape[-1]
@@ -81,8 +84,9 @@ def write_latent(
     is_fp8 = kv_cache.dtype == _fp8.FP8_DTYPE
     has_scale = is_fp8 and kv_scale is not None
     scale = kv_scale.float().reshape(()) if has_scale else c_kv
+    fp8_bits = is_fp8 and _resolve_fp8_mode(fp8_mode, kv_cache.device) == "bits"
     write_latent_kernel[(T,)](
-        kv_cache,
+        kv_cache.view(torch.uint8) if fp8_bits else kv_cache,
         c_kv,
         k_pe,
         slots,
@@ -99,12 +103,13 @@ def write_latent(
         HAS_ROPE=rope > 0,
         HAS_SCALE=has_scale,
         SATURATE=is_fp8,
+        FP8_BITS=fp8_bits,
         FP8_MAX=_fp8.FP8_MAX,
     )
 
 
-def fp8_decode_mode(device: torch.device) -> str:
-    """How attention reads an fp8 e4m3 cache on ``device``: ``"native"`` or ``"bits"``.
+def fp8_mode(device: torch.device) -> str:
+    """How the kernels convert fp8 e4m3 cache values on ``device``: ``"native"`` or ``"bits"``.
 
     Triton converts float8e4nv natively on NVIDIA sm_89+ (Ada, Hopper, Blackwell) and in the
     interpreter; on older NVIDIA GPUs and on ROCm the bytes are decoded with integer ops.
@@ -114,6 +119,13 @@ def fp8_decode_mode(device: torch.device) -> str:
     if torch.version.hip is not None:
         return "bits"
     return "native" if torch.cuda.get_device_capability(device) >= (8, 9) else "bits"
+
+
+def _resolve_fp8_mode(mode: str | None, device: torch.device) -> str:
+    mode = mode or fp8_mode(device)
+    if mode not in ("native", "bits"):
+        raise ValueError(f"fp8_mode={mode!r} is not supported; use 'native' or 'bits'")
+    return mode
 
 
 def _query_blocks(batch: MLABatch, block_q: int, device: torch.device) -> torch.Tensor:
@@ -144,7 +156,7 @@ def absorbed_attention(
     *,
     num_kv_splits: int | None = None,
     block_n: int | None = None,
-    fp8_decode: str | None = None,
+    fp8_mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over the paged latent cache (decode and extend), in Triton.
 
@@ -158,8 +170,8 @@ def absorbed_attention(
         kv_scale: float32 scalar: cached values are ``stored * kv_scale`` (fp8 caches).
         num_kv_splits: force the split count (default: :func:`heuristics.choose_num_splits`).
         block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
-        fp8_decode: ``"native"`` (Triton's e4m3 conversion) or ``"bits"`` (integer decode of
-            the bytes); default: :func:`fp8_decode_mode` of the device.
+        fp8_mode: ``"native"`` (Triton's e4m3 conversion) or ``"bits"`` (integer decode of
+            the bytes); default: :func:`fp8_mode` of the device.
     Returns:
         o_lat: [T, H, r] in q_lat's dtype; lse: [T, H] float32 (natural log).
     """
@@ -228,12 +240,7 @@ def absorbed_attention(
         dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
     has_scale = kv_scale is not None
     scale = kv_scale.float().reshape(()) if has_scale else lse
-    fp8_bits = False
-    if kv_cache.dtype == _fp8.FP8_DTYPE:
-        mode = fp8_decode or fp8_decode_mode(device)
-        if mode not in ("native", "bits"):
-            raise ValueError(f"fp8_decode={fp8_decode!r} is not supported; use 'native' or 'bits'")
-        fp8_bits = mode == "bits"
+    fp8_bits = kv_cache.dtype == _fp8.FP8_DTYPE and _resolve_fp8_mode(fp8_mode, device) == "bits"
     kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
 
     grid = (num_q_blocks * num_h_blocks, num_kv_splits)

@@ -49,6 +49,7 @@ import triton.language as tl  # noqa: E402
 
 from mla_backend.ops.triton_kernels import heuristics as hx  # noqa: E402
 from mla_backend.ops.triton_kernels.attention import _e4m3_bits_to_f32  # noqa: E402
+from mla_backend.ops.triton_kernels.cache_write import _e4m3_grid_to_bits  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # Case construction and the independent reference
@@ -200,11 +201,15 @@ def _codes(x: torch.Tensor) -> torch.Tensor:
         (torch.bfloat16, torch.float32, 16),
         (FP8_DTYPE, torch.float32, 16),
         (FP8_DTYPE, torch.bfloat16, 0),
+        ("fp8-bits", torch.float32, 16),
     ],
 )
 def test_write_latent_matches_torch_path(
-    page_size: int, dtype: torch.dtype, in_dtype: torch.dtype, rope: int
+    page_size: int, dtype: torch.dtype | str, in_dtype: torch.dtype, rope: int
 ) -> None:
+    mode = None
+    if dtype == "fp8-bits":  # the integer e4m3 encoder (GPUs without native fp8 in Triton)
+        dtype, mode = FP8_DTYPE, "bits"
     g = torch.Generator().manual_seed(page_size + rope)
     r, T, num_pages = 24, 11, 16
     D = r + rope
@@ -218,7 +223,7 @@ def test_write_latent_matches_torch_path(
     want = base.clone()
     torch_ops.write_latent(want, c_kv, k_pe, slots, scale)
     got = base.clone()
-    tops.write_latent(got, c_kv, k_pe, slots.to(torch.int32), scale)
+    tops.write_latent(got, c_kv, k_pe, slots.to(torch.int32), scale, fp8_mode=mode)
     if dtype == in_dtype or dtype == FP8_DTYPE:  # copy, or our own fp8 rounding: bit-exact
         assert torch.equal(_codes(got), _codes(want))
     else:
@@ -320,28 +325,32 @@ def test_fp8_cache_decoded_from_bytes(q_dtype: torch.dtype) -> None:
         q_dtype=q_dtype,
         seed=13,
     )
-    bits = case.triton(num_kv_splits=2, fp8_decode="bits")
+    bits = case.triton(num_kv_splits=2, fp8_mode="bits")
     assert_matches(case, bits)
-    native = case.triton(num_kv_splits=2, fp8_decode="native")
+    native = case.triton(num_kv_splits=2, fp8_mode="native")
     assert torch.equal(bits[0], native[0]) and torch.equal(bits[1], native[1])
 
 
 @triton.jit
-def _decode_bytes_kernel(src, dst, N: tl.constexpr):
-    """One program around the attention kernel's e4m3 byte decoder."""
+def _decode_bytes_kernel(src, dst, back, N: tl.constexpr):
+    """The attention kernel's e4m3 byte decoder, and the cache writer's encoder on its output."""
     offs = tl.arange(0, N)
-    tl.store(dst + offs, _e4m3_bits_to_f32(tl.load(src + offs)))
+    values = _e4m3_bits_to_f32(tl.load(src + offs))
+    tl.store(dst + offs, values)
+    tl.store(back + offs, _e4m3_grid_to_bits(values))
 
 
 def test_e4m3_byte_decode_all_codes() -> None:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     out = torch.empty(256)
-    _decode_bytes_kernel[(1,)](codes, out, 256)
+    back = torch.empty(256, dtype=torch.uint8)
+    _decode_bytes_kernel[(1,)](codes, out, back, 256)
     want = codes.view(FP8_DTYPE).float()
     finite = torch.isfinite(want)  # 0x7F / 0xFF are NaN codes
     assert int((~finite).sum()) == 2
     assert torch.equal(out[finite], want[finite])
     assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))  # -0.0 kept
+    assert torch.equal(back[finite], codes[finite])  # encoder inverts the decoder
 
 
 def test_fp8_scale_is_applied() -> None:

@@ -5,7 +5,8 @@ One program per new token. The token's slot ``s`` maps to page ``s // page_size`
 ``value / scale`` (fp8 e4m3 caches; saturated to +-448 before the cast). Values already in
 the cache dtype are copied bit-exactly; fp8 values are rounded to nearest even in fp32 (see
 ``_round_to_e4m3_grid``); fp32 -> bf16/fp16 uses the device's round-to-nearest-even (the Triton
-interpreter truncates instead, so tests allow one ulp for that conversion).
+interpreter truncates instead, so tests allow one ulp for that conversion). Where Triton has
+no native e4m3 conversion the bytes are encoded with integer ops (``_e4m3_grid_to_bits``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,23 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
+def _e4m3_grid_to_bits(y):
+    """fp32 values already on the e4m3 grid (within +-448) -> float8 e4m3fn bytes (uint8).
+
+    Integer ops only, for GPUs without a native e4m3 conversion in Triton (NVIDIA before
+    sm_89, ROCm). Normal (|y| >= 2^-6): exponent + 7 and the top 3 mantissa bits; subnormal:
+    the integer |y| * 2^9.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a_bits = bits & 0x7FFFFFFF
+    normal = ((((a_bits >> 23) & 0xFF) - 120) << 3) | ((a_bits >> 20) & 0x7)
+    sub = (a_bits.to(tl.float32, bitcast=True) * 512.0).to(tl.int32)
+    code = tl.where(a_bits >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6
+    return (sign | code).to(tl.uint8)
+
+
+@triton.jit
 def write_latent_kernel(
     kv_ptr,  # [P, page_size, r + rope] cache, any float dtype incl. float8_e4m3fn
     c_kv_ptr,  # [T, r]
@@ -50,6 +68,7 @@ def write_latent_kernel(
     HAS_ROPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     SATURATE: tl.constexpr,  # fp8 cache: clamp to +-FP8_MAX and round to the e4m3 grid
+    FP8_BITS: tl.constexpr,  # kv_ptr is the fp8 cache viewed as uint8: encode in-kernel
     FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -67,6 +86,8 @@ def write_latent_kernel(
         c = c.to(tl.float32) / scale
     if SATURATE:
         c = _round_to_e4m3_grid(tl.minimum(tl.maximum(c.to(tl.float32), -FP8_MAX), FP8_MAX))
+        if FP8_BITS:
+            c = _e4m3_grid_to_bits(c)
     tl.store(row + offs_r, c.to(kv_ptr.dtype.element_ty), mask=r_ok)
 
     if HAS_ROPE:
@@ -77,4 +98,6 @@ def write_latent_kernel(
             k = k.to(tl.float32) / scale
         if SATURATE:
             k = _round_to_e4m3_grid(tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX))
+            if FP8_BITS:
+                k = _e4m3_grid_to_bits(k)
         tl.store(row + r_dim + offs_p, k.to(kv_ptr.dtype.element_ty), mask=p_ok)
