@@ -32,11 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from mla_backend_integrations.sglang.batch import build_mla_batch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 import mla_backend as mb
-from mla_backend_integrations.sglang.batch import build_mla_batch
-
-from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 logger = logging.getLogger("mla_backend.sglang")
 

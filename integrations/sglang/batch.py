@@ -26,7 +26,9 @@ import torch
 import mla_backend as mb
 
 
-def _host_ints(cpu_list: Sequence[int] | torch.Tensor | None, dev: torch.Tensor | None) -> list[int]:
+def _host_ints(
+    cpu_list: Sequence[int] | torch.Tensor | None, dev: torch.Tensor | None
+) -> list[int]:
     """Python ints from the host copy when SGLang has one, else from the device tensor."""
     if cpu_list is not None:
         if isinstance(cpu_list, torch.Tensor):

@@ -30,11 +30,10 @@ from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods
 
 
 def _our_backend(forward_batch: Any) -> Any:
+    from mla_backend_integrations.sglang.backend import MLAAbsorbBackend
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_mha import (
         resolve_attn_backend,
     )
-
-    from mla_backend_integrations.sglang.backend import MLAAbsorbBackend
 
     backend = resolve_attn_backend(forward_batch)
     return backend if isinstance(backend, MLAAbsorbBackend) else None

@@ -41,6 +41,7 @@ def qk_convention() -> str:
 
 def register() -> None:
     """Entry point: register the backend, its CLI choice and its DeepSeek handler."""
+    from mla_backend_integrations.sglang.handler import handle_attention_mla_absorb
     from sglang.srt.arg_groups import choices
     from sglang.srt.layers.attention.attention_registry import (
         ATTENTION_BACKENDS,
@@ -50,8 +51,6 @@ def register() -> None:
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,
     )
-
-    from mla_backend_integrations.sglang.handler import handle_attention_mla_absorb
 
     if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_mla_absorb_backend:
         register_attention_backend(BACKEND_NAME)(create_mla_absorb_backend)

@@ -99,7 +99,7 @@ class Server:
 def start_server(
     model: Path, log_path: Path, extra_args: list[str], env: dict[str, str] | None = None
 ) -> Server:
-    """``SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu`` bound to 127.0.0.1."""
+    """``SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu`` on 127.0.0.1."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "sglang.launch_server",

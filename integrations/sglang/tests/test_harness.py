@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang.test.kits.attention_unittest.attention_methods import mla_attention as mh
 
 CASES = mh.make_mla_cases("mla_absorb")
