@@ -401,7 +401,7 @@ def test_int64_block_table_and_slots() -> None:
 
 
 @settings(
-    max_examples=6,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
@@ -409,19 +409,35 @@ def test_int64_block_table_and_slots() -> None:
 @given(
     data=st.data(),
     page_size=st.sampled_from([1, 4, 16, 64]),
-    dims=st.sampled_from([(16, 16), (24, 8), (48, 0), (32, 16)]),
-    H=st.integers(1, 5),
-    splits=st.integers(1, 5),
+    dims=st.sampled_from([(16, 16), (24, 8), (48, 0), (32, 16), (40, 24)]),
+    H=st.sampled_from([1, 2, 3, 5, 17]),
+    splits=st.integers(1, 6),
+    block_n=st.sampled_from([16, 32, 64]),
 )
-def test_random_batches(data, page_size: int, dims: tuple[int, int], H: int, splits: int) -> None:
-    B = data.draw(st.integers(1, 3))
-    prefix = data.draw(st.lists(st.integers(0, 40), min_size=B, max_size=B))
-    new = data.draw(st.lists(st.integers(0, 4), min_size=B, max_size=B))
+def test_random_batches(
+    data, page_size: int, dims: tuple[int, int], H: int, splits: int, block_n: int
+) -> None:
+    B = data.draw(st.integers(1, 4))
+    prefix = data.draw(st.lists(st.integers(0, 70), min_size=B, max_size=B))
+    new = data.draw(st.lists(st.integers(0, 6), min_size=B, max_size=B))
     if sum(new) == 0:
         new[0] = 1
     r, rope = dims
     case = Case(prefix, new, H=H, r=r, rope=rope, page_size=page_size, seed=sum(prefix))
-    assert_matches(case, case.triton(num_kv_splits=splits))
+    assert_matches(case, case.triton(num_kv_splits=splits, block_n=block_n))
+
+
+def test_write_latent_padded_slot_mapping() -> None:
+    """vLLM pads slot_mapping beyond the real tokens: only the first T entries are used."""
+    kv = torch.zeros(2, 4, 12)
+    c_kv, k_pe = torch.randn(3, 8), torch.randn(3, 4)
+    slots = torch.tensor([5, -1, 0, 7, 6, 1])  # entries 3.. belong to no token
+    tops.write_latent(kv, c_kv, k_pe, slots)
+    flat = kv.view(-1, 12)
+    assert torch.equal(flat[5], torch.cat([c_kv[0], k_pe[0]]))
+    assert torch.equal(flat[0], torch.cat([c_kv[2], k_pe[2]]))
+    untouched = [i for i in range(8) if i not in (0, 5)]
+    assert torch.equal(flat[untouched], torch.zeros(6, 12))
 
 
 # ----------------------------------------------------------------------------------------
