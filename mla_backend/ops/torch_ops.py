@@ -96,6 +96,78 @@ def _split_tokens(rows: int, kv_len: int) -> int:
     return max(_MIN_SPLIT_TOKENS, min(_MAX_SPLIT_TOKENS, c, kv_len))
 
 
+def _decode_groups(batch: MLABatch, heads: int) -> tuple[list[list[int]], list[int]]:
+    """Split requests into groups of single-token (decode) requests served by one batched
+    matmul each, and the rest (served one by one). A group is bounded by the score-tile size
+    and keeps padding (to the group's longest context) under a quarter of its work."""
+    single = sorted(
+        (i for i in range(batch.num_reqs) if batch.new_lens[i] == 1),
+        key=lambda i: batch.kv_lens[i],
+    )
+    groups: list[list[int]] = []
+    rest = [i for i in range(batch.num_reqs) if batch.new_lens[i] > 1]
+    cur: list[int] = []
+    total = 0
+    for i in single:
+        L = batch.kv_lens[i]
+        if heads * L > _MAX_TILE_ELEMENTS:
+            rest.append(i)
+            continue
+        n = len(cur) + 1
+        if cur and (n * heads * L > _MAX_TILE_ELEMENTS or total + L < 0.75 * n * L):
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += L
+    if cur:
+        groups.append(cur)
+    for g in [g for g in groups if len(g) == 1]:  # a lone request gains nothing from bmm
+        groups.remove(g)
+        rest.extend(g)
+    return groups, rest
+
+
+def _decode_group(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: MLABatch,
+    reqs: list[int],
+    score_scale: float,
+    kv_mult: float,
+    o_lat: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """One batched pass for single-token requests ``reqs``: gather their pages (padded to the
+    longest), then bmm / masked softmax / bmm for all of them at once."""
+    dev, cd = q.device, q.dtype
+    ps, D = kv_cache.shape[1], kv_cache.shape[2]
+    r = o_lat.shape[-1]
+    G = len(reqs)
+    lens = torch.tensor([batch.kv_lens[i] for i in reqs], device=dev)
+    npg = -(-max(batch.kv_lens[i] for i in reqs) // ps)
+    idx = torch.tensor(reqs, device=dev)
+    table = batch.block_table.index_select(0, idx)[:, :npg]
+    valid = torch.arange(npg, device=dev)[None, :] * ps < lens[:, None]
+    table = torch.where(valid, table, table[:, :1])  # padding columns may hold anything
+    flat = kv_cache.view(kv_cache.shape[0], ps * D)
+    kv = flat.index_select(0, table.reshape(-1)).view(G, npg * ps, D)
+    if kv.dtype != cd:
+        kv = kv.to(cd)
+    rows = torch.tensor([batch.cu_new[i] for i in reqs], device=dev)
+    qg = q.index_select(0, rows)  # [G, H, D]
+    scores = torch.bmm(qg, kv.transpose(1, 2)).float().mul_(score_scale)  # [G, H, Lmax]
+    pad = torch.arange(npg * ps, device=dev)[None, :] >= lens[:, None]
+    scores.masked_fill_(pad[:, None, :], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp_(scores.sub_(m))
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.bmm(p.to(cd), kv[:, :, :r]).float().div_(l)
+    if kv_mult != 1.0:
+        o.mul_(kv_mult)
+    o_lat[rows] = o.to(cd)
+    lse[rows] = (m + torch.log(l)).squeeze(-1)
+
+
 def absorbed_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -136,7 +208,7 @@ def absorbed_attention(
     # One workspace per call, reused by every request and split: large fresh allocations
     # cost page faults on every call on CPU.
     ps = kv_cache.shape[1]
-    max_rows = max(n for n in batch.new_lens) * H
+    max_rows = max(batch.new_lens) * H
     split = _split_tokens(max_rows, batch.max_kv_len)
     split_pages = -(-split // ps) + 1
     gather_buf = torch.empty(split_pages * ps * D, dtype=kv_cache.dtype, device=dev)
@@ -145,10 +217,11 @@ def absorbed_attention(
     )
     s_buf = torch.empty(max_rows * split, dtype=cd, device=dev)
     f_buf = torch.empty(max_rows * split, dtype=torch.float32, device=dev)
-    for i in range(batch.num_reqs):
+    groups, rest = _decode_groups(batch, H)
+    for g in groups:
+        _decode_group(q, kv_cache, batch, g, score_scale, kv_mult, o_lat, lse)
+    for i in sorted(rest):
         n = batch.new_lens[i]
-        if n == 0:
-            continue
         P = batch.prefix_lens[i]
         L = P + n
         t0 = batch.cu_new[i]
