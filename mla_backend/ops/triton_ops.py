@@ -40,6 +40,20 @@ _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, _fp8.FP8_DTYPE)
 _LOG2E = 1.0 / math.log(2.0)
 
 
+def _check_runnable(device: torch.device, kernel: object) -> None:
+    """Triton kernels run on GPU tensors, or on CPU tensors only under the interpreter."""
+    if device.type == "cuda":
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            f"the Triton kernels got {device.type} tensors but were compiled for a GPU: set "
+            "TRITON_INTERPRET=1 before mla_backend.ops.triton_ops is imported to run them on "
+            "CPU (slow; for tests), or use the torch path (MLA_BACKEND_IMPL=torch)"
+        )
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
@@ -76,6 +90,7 @@ def write_latent(
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
+    _check_runnable(kv_cache.device, write_latent_kernel)
     c_kv = _last_dim_contiguous(c_kv)
     k_pe = _last_dim_contiguous(k_pe)
     slots = slot_mapping[:T]
@@ -199,6 +214,7 @@ def absorbed_attention(
     lse = torch.empty(T, H, dtype=torch.float32, device=device)
     if T == 0 or H == 0:
         return o_lat, lse
+    _check_runnable(device, absorbed_attn_kernel)
     q_lat = _last_dim_contiguous(q_lat)
     q_pe = _last_dim_contiguous(q_pe.to(cd)) if rope else q_lat
 

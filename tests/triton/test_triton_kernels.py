@@ -176,6 +176,10 @@ def assert_matches(case: Case, out: tuple[torch.Tensor, torch.Tensor]) -> None:
     torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
     o_t, lse_t = case.torch_path()
+    assert torch.isfinite(o_t.float()).all(), (
+        "the torch path (mla_backend.ops.torch_ops) returned NaN where the cache's unused rows "
+        "(page tails, unassigned pages) hold NaN: it reads rows outside a request's kv range"
+    )
     torch.testing.assert_close(o.float(), o_t.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(lse, lse_t, atol=atol, rtol=rtol)
 
@@ -485,6 +489,16 @@ def test_seam_routes_to_triton_and_matches_paper_oracle() -> None:
         case.scale,
     )
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
+    from mla_backend.ops.triton_kernels import attention
+
+    compiled = triton.JITFunction(attention.absorbed_attn_kernel.fn)  # as on a GPU machine
+    monkeypatch.setattr(tops, "absorbed_attn_kernel", compiled)
+    case = Case([4], [1], H=2, r=16, rope=16, page_size=16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        case.triton()
 
 
 def test_split_heuristic() -> None:
