@@ -165,10 +165,17 @@ def test_property_any_dims_any_layout(data, heads, r, nope, rope_half, v, page_s
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, mb.FP8_DTYPE])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_batched_decode_groups_match_oracle(cache_dtype: torch.dtype, page_size: int) -> None:
-    """Many single-token requests of similar lengths go through the grouped bmm path
-    (padding columns of the block table hold garbage page ids on purpose)."""
+@pytest.mark.parametrize("flash_max_heads", [0, 64], ids=["gemm", "flash"])
+def test_decode_paths_match_oracle(
+    cache_dtype: torch.dtype, page_size: int, flash_max_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many single-token requests: through the grouped bmm path (similar lengths share one
+    gather and bmm; padding columns of the block table hold garbage page ids on purpose) and
+    through the fused flash decode path; LSE checked too."""
+    from mla_backend.ops import torch_ops
     from mla_backend.ops.torch_ops import _decode_groups
+
+    monkeypatch.setattr(torch_ops, "FLASH_DECODE_MAX_HEADS", flash_max_heads)
 
     prefix = [40, 47, 33, 45, 300, 290, 0, 310]
     case = make_case(
@@ -182,3 +189,9 @@ def test_batched_decode_groups_match_oracle(cache_dtype: torch.dtype, page_size:
     attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy("absorb"))
     out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch, kv_scale=case.kv_scale)
     assert_close_to_oracle(out, case.oracle(), torch.float32)
+    # LSE of decode rows against a direct computation over the stored latents
+    q_lat = mb.absorb_q(case.q_nope, case.weights)
+    _, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.batch, 0.1, case.kv_scale)
+    for i, (c, kp) in enumerate(zip(case.c_kv, case.k_pe)):
+        s = (q_lat[i] @ c.T + case.q_pe[i] @ kp.T) * 0.1
+        torch.testing.assert_close(lse[i], torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)

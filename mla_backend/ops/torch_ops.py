@@ -15,10 +15,21 @@ import torch
 
 from ..batch import MLABatch
 from ..fp8 import FP8_DTYPE, FP8_MAX
+from ..merge import merge_attention_states
 
 # Bound on one split's fp32 score tile (rows x kv tokens): 4M elements = 16 MiB.
 _MAX_TILE_ELEMENTS = 1 << 22
+# Bound on the latent rows one decode group gathers (~9 MiB in bf16 at 576 wide): beyond
+# that the group's two passes over its rows stop hitting the caches and a long context gains
+# nothing from batching (its own matmuls are large enough).
+_MAX_GROUP_TOKENS = 8192
 _MIN_SPLIT_TOKENS = 256
+# Decode with at most this many heads runs torch's fused CPU flash kernel as single-head
+# attention of H query rows against the latent rows (value = the same rows, whose first r
+# output columns are kept): one fused pass instead of matmul + softmax ops, which wins where
+# decode is bandwidth- and overhead-bound (few heads). Larger H keeps the GEMM path.
+FLASH_DECODE_MAX_HEADS = 64
+_FLASH_SPLIT_TOKENS = 16384
 _MAX_SPLIT_TOKENS = 8192
 
 
@@ -110,11 +121,12 @@ def _decode_groups(batch: MLABatch, heads: int) -> tuple[list[list[int]], list[i
     total = 0
     for i in single:
         L = batch.kv_lens[i]
-        if heads * L > _MAX_TILE_ELEMENTS:
+        if heads * L > _MAX_TILE_ELEMENTS or 2 * L > _MAX_GROUP_TOKENS:
             rest.append(i)
             continue
         n = len(cur) + 1
-        if cur and (n * heads * L > _MAX_TILE_ELEMENTS or total + L < 0.75 * n * L):
+        too_big = n * heads * L > _MAX_TILE_ELEMENTS or n * L > _MAX_GROUP_TOKENS
+        if cur and (too_big or total + L < 0.75 * n * L):
             groups.append(cur)
             cur, total = [], 0
         cur.append(i)
@@ -155,17 +167,51 @@ def _decode_group(
         kv = kv.to(cd)
     rows = torch.tensor([batch.cu_new[i] for i in reqs], device=dev)
     qg = q.index_select(0, rows)  # [G, H, D]
-    scores = torch.bmm(qg, kv.transpose(1, 2)).float().mul_(score_scale)  # [G, H, Lmax]
+    scores = torch.bmm(kv, qg.transpose(1, 2)).float().mul_(score_scale)  # [G, Lmax, H]
     pad = torch.arange(npg * ps, device=dev)[None, :] >= lens[:, None]
-    scores.masked_fill_(pad[:, None, :], float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
+    scores.masked_fill_(pad[:, :, None], float("-inf"))
+    m = scores.amax(dim=1, keepdim=True)  # [G, 1, H]
     p = torch.exp_(scores.sub_(m))
-    l = p.sum(dim=-1, keepdim=True)
-    o = torch.bmm(p.to(cd), kv[:, :, :r]).float().div_(l)
+    l = p.sum(dim=1, keepdim=True)
+    m, l = m.transpose(1, 2), l.transpose(1, 2)  # [G, H, 1]
+    o = torch.bmm(p.to(cd).transpose(1, 2), kv[:, :, :r]).float().div_(l)  # [G, H, r]
     if kv_mult != 1.0:
         o.mul_(kv_mult)
     o_lat[rows] = o.to(cd)
     lse[rows] = (m + torch.log(l)).squeeze(-1)
+
+
+def _flash_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: MLABatch,
+    i: int,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,
+    gather_buf: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode request through the fused CPU flash kernel, KV split and LSE-merged.
+
+    q: [1, H, D] (token's [q_lat ; q_pe] rows). Returns (o [1, H, D] fp32, lse [1, H])."""
+    cd = q.dtype
+    L = batch.kv_lens[i]
+    qf = q.view(1, 1, q.shape[1], q.shape[2])
+    o = lse = None
+    for s in range(0, L, _FLASH_SPLIT_TOKENS):
+        e = min(L, s + _FLASH_SPLIT_TOKENS)
+        kv = gather_latent(kv_cache, batch.block_table[i], s, e, out=gather_buf)
+        if kv.dtype != cd:
+            kv = kv.to(cd) if kv_scale is None else (kv.float() * kv_scale.float()).to(cd)
+        kv4 = kv.view(1, 1, e - s, kv.shape[-1])
+        o_c, lse_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qf, kv4, kv4, 0.0, False, scale=softmax_scale
+        )[:2]
+        o_c, lse_c = o_c.view(1, -1, kv.shape[-1]).float(), lse_c.view(1, -1)
+        if o is None:
+            o, lse = o_c, lse_c
+        else:
+            o, lse = merge_attention_states(o, lse, o_c, lse_c)
+    return o, lse
 
 
 def absorbed_attention(
@@ -205,11 +251,32 @@ def absorbed_attention(
         return o_lat, lse
     kv_mult = float(kv_scale) if kv_scale is not None else 1.0
     score_scale = softmax_scale * kv_mult
-    # One workspace per call, reused by every request and split: large fresh allocations
-    # cost page faults on every call on CPU.
     ps = kv_cache.shape[1]
-    max_rows = max(batch.new_lens) * H
-    split = _split_tokens(max_rows, batch.max_kv_len)
+    if dev.type == "cpu" and H <= FLASH_DECODE_MAX_HEADS:
+        flash_buf = None
+        for i in range(batch.num_reqs):
+            if batch.new_lens[i] != 1:
+                continue
+            if flash_buf is None:
+                pages = -(-min(_FLASH_SPLIT_TOKENS, batch.max_kv_len) // ps) + 1
+                flash_buf = torch.empty(pages * ps * D, dtype=kv_cache.dtype, device=dev)
+            t0 = batch.cu_new[i]
+            o, l = _flash_decode(
+                q[t0 : t0 + 1], kv_cache, batch, i, softmax_scale, kv_scale, flash_buf
+            )
+            o_lat[t0 : t0 + 1] = o[..., :r]
+            lse[t0 : t0 + 1] = l
+        groups, rest = [], [i for i in range(batch.num_reqs) if batch.new_lens[i] > 1]
+    else:
+        groups, rest = _decode_groups(batch, H)
+    for g in groups:
+        _decode_group(q, kv_cache, batch, g, score_scale, kv_mult, o_lat, lse)
+    if not rest:
+        return o_lat, lse
+    # One workspace for the remaining requests, reused by each of them and by every split:
+    # large fresh allocations cost page faults on every call on CPU.
+    max_rows = max(batch.new_lens[i] for i in rest) * H
+    split = _split_tokens(max_rows, max(batch.kv_lens[i] for i in rest))
     split_pages = -(-split // ps) + 1
     gather_buf = torch.empty(split_pages * ps * D, dtype=kv_cache.dtype, device=dev)
     conv_buf = (
@@ -217,9 +284,6 @@ def absorbed_attention(
     )
     s_buf = torch.empty(max_rows * split, dtype=cd, device=dev)
     f_buf = torch.empty(max_rows * split, dtype=torch.float32, device=dev)
-    groups, rest = _decode_groups(batch, H)
-    for g in groups:
-        _decode_group(q, kv_cache, batch, g, score_scale, kv_mult, o_lat, lse)
     for i in sorted(rest):
         n = batch.new_lens[i]
         P = batch.prefix_lens[i]
@@ -235,17 +299,19 @@ def absorbed_attention(
             kv = gather_latent(kv_cache, block_row, s, e, out=gather_buf)
             if conv_buf is not None:
                 kv = conv_buf[:c].copy_(kv)
-            sc = torch.mm(qi, kv.t(), out=s_buf[: rows * c].view(rows, c))
-            scores = f_buf[: rows * c].view(rows, c).copy_(sc).mul_(score_scale)
+            # scores transposed ([c, rows] = kv · q^T) runs faster in oneDNN than q · kv^T
+            sc = torch.mm(kv, qi.t(), out=s_buf[: rows * c].view(c, rows))
+            scores = f_buf[: rows * c].view(c, rows).copy_(sc).mul_(score_scale)
             if e > P + 1 and n > 1:  # causal among the new tokens
                 pos = torch.arange(s, e, device=dev)
                 limit = P + torch.arange(n, device=dev)
-                mask = pos[None, :] > limit[:, None]  # [n, c]
-                scores.view(n, H, c).masked_fill_(mask[:, None, :], float("-inf"))
-            m = scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)
+                mask = pos[:, None] > limit[None, :]  # [c, n]
+                scores.view(c, n, H).masked_fill_(mask[:, :, None], float("-inf"))
+            m = scores.amax(dim=0, keepdim=True).clamp_(min=-1e30)  # [1, rows]
             p = torch.exp_(scores.sub_(m))
-            l = p.sum(dim=-1, keepdim=True)
-            o = torch.mm(sc.copy_(p), kv[:, :r]).float()
+            l = p.sum(dim=0, keepdim=True)
+            o = torch.mm(sc.copy_(p).t(), kv[:, :r]).float()  # [rows, r]
+            m, l = m.t(), l.t()  # [rows, 1]
             if acc is None:
                 acc, m_acc, l_acc = o, m, l
             else:
