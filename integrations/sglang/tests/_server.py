@@ -97,12 +97,16 @@ class Server:
 
 
 def start_server(
-    model: Path, log_path: Path, extra_args: list[str], env: dict[str, str] | None = None
+    model: Path,
+    log_path: Path,
+    extra_args: list[str],
+    env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
 ) -> Server:
     """``SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu`` on 127.0.0.1."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "sglang.launch_server",
+        *(launcher or [sys.executable, "-m", "sglang.launch_server"]),
         "--model-path", str(model),
         "--device", "cpu",
         "--host", "127.0.0.1",
