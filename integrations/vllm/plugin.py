@@ -32,7 +32,8 @@ import os
 import types
 from typing import Any
 
-logger = logging.getLogger("mla_backend.vllm")
+# a child of the "vllm" logger, so vLLM's logging configuration shows our messages
+logger = logging.getLogger("vllm.mla_absorb")
 
 BACKEND_NAME = "MLA_ABSORB"
 BACKEND_PATH = "mla_backend_integrations.vllm.backend.MLAAbsorbBackend"

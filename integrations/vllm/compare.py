@@ -1,0 +1,158 @@
+"""Run one vLLM attention backend on a fixed workload and report tokens/s, generations and
+KV-cache bytes per token; used by the demo (examples/vllm_demo.py) and the benchmark
+(benchmarks/vllm_bench.py).
+
+Each backend runs in its own fresh process (``python -m mla_backend_integrations.vllm.compare
+SPEC.json``) so only one engine is alive at a time and every backend starts from the same
+state. The child prints one JSON line prefixed with ``RESULT:``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+_PREFIX = "RESULT:"
+
+
+@dataclass
+class Workload:
+    """``num_prompts`` prompts of ``input_len`` random token ids (or the given ``texts``),
+    ``output_len`` greedy tokens each (EOS ignored), timed ``iters`` times after a warm-up."""
+
+    name: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    iters: int = 2
+    texts: list[str] | None = None
+    seed: int = 0
+
+
+@dataclass
+class RunSpec:
+    model: str
+    backend: str
+    workloads: list[Workload]
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def kv_bytes_per_token(model_dir: str | Path, kv_cache_dtype: str = "auto") -> int:
+    """Latent KV-cache bytes per token over all layers: layers * (r + rope) * element size."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    elem = 1 if kv_cache_dtype.startswith("fp8") else {"float32": 4}.get(cfg["torch_dtype"], 2)
+    return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * elem
+
+
+def _child(spec: RunSpec) -> dict[str, Any]:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    kwargs = dict(spec.engine_kwargs)
+    llm = LLM(spec.model, attention_backend=spec.backend, seed=0, **kwargs)
+    startup = time.perf_counter() - t0
+    cfg = llm.llm_engine.vllm_config
+    result: dict[str, Any] = {
+        "backend": spec.backend,
+        "selected": cfg.attention_config.backend.name if cfg.attention_config.backend else None,
+        "startup_s": startup,
+        "block_size": cfg.cache_config.block_size,
+        "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
+        "prefix_caching": cfg.cache_config.enable_prefix_caching,
+        "kv_bytes_per_token": kv_bytes_per_token(spec.model, str(cfg.cache_config.cache_dtype)),
+        "workloads": [],
+    }
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    for w in spec.workloads:
+        sp = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
+        if w.texts is not None:
+            prompts: list[Any] = list(w.texts)
+        else:
+            g = torch.Generator().manual_seed(w.seed)
+            prompts = [
+                TokensPrompt(
+                    prompt_token_ids=torch.randint(4, vocab, (w.input_len,), generator=g).tolist()
+                )
+                for _ in range(w.num_prompts)
+            ]
+        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+        times = []
+        outs = None
+        for _ in range(w.iters):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        assert outs is not None
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_in = sum(len(o.prompt_token_ids or []) for o in outs)
+        best = min(times)
+        result["workloads"].append(
+            {
+                "name": w.name,
+                "num_prompts": len(prompts),
+                "input_tokens": n_in,
+                "output_tokens": n_out,
+                "latency_s": best,
+                "latency_all_s": times,
+                "output_tok_s": n_out / best,
+                "total_tok_s": (n_in + n_out) / best,
+                "texts": [o.outputs[0].text for o in outs] if w.texts is not None else None,
+                "token_ids": [list(o.outputs[0].token_ids) for o in outs][:4],
+            }
+        )
+    return result
+
+
+def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
+    """Run ``spec`` in a fresh Python process; return its result dict (raises on failure)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    payload = json.dumps(
+        {
+            "model": spec.model,
+            "backend": spec.backend,
+            "engine_kwargs": spec.engine_kwargs,
+            "workloads": [asdict(w) for w in spec.workloads],
+        }
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mla_backend_integrations.vllm.compare"],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(_PREFIX):
+            return json.loads(line[len(_PREFIX) :])
+    raise RuntimeError(
+        f"backend {spec.backend} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    )
+
+
+def main() -> None:
+    """Child entry: read a RunSpec as JSON on stdin, print ``RESULT:{json}``."""
+    raw = json.loads(sys.stdin.read())
+    spec = RunSpec(
+        model=raw["model"],
+        backend=raw["backend"],
+        engine_kwargs=raw["engine_kwargs"],
+        workloads=[Workload(**w) for w in raw["workloads"]],
+    )
+    result = _child(spec)
+    print(_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Registration: entry points, idempotence, pickling by name in a fresh process, the CPU
+platform's selection, engine-argument parsing (Python API), start-up errors, and the CLI
+launcher running ``vllm bench latency --attention-backend mla_absorb`` (a real engine)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mla_backend_integrations.vllm import plugin
+
+BACKEND_PATH = "mla_backend_integrations.vllm.backend.MLAAbsorbBackend"
+
+
+def test_entry_points_are_installed() -> None:
+    general = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    platform = {e.name: e.value for e in entry_points(group="vllm.platform_plugins")}
+    assert general.get("mla_absorb") == "mla_backend_integrations.vllm.plugin:register"
+    assert platform.get("mla_absorb") == "mla_backend_integrations.vllm.plugin:platform_hook"
+    assert entry_points(group="vllm.platform_plugins")["mla_absorb"].load()() is None
+
+
+def test_registration_is_idempotent() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    plugin.register()
+    a = plugin.register_backend_enum()
+    plugin.register()
+    plugin.platform_hook()
+    b = plugin.register_backend_enum()
+    assert a is b is AttentionBackendEnum["MLA_ABSORB"]
+    assert a.get_path() == BACKEND_PATH
+    assert a.get_class().get_name() == "MLA_ABSORB"
+
+
+def test_member_unpickles_in_a_fresh_process_without_plugins() -> None:
+    blob = pickle.dumps(plugin.register_backend_enum())
+    code = (
+        "import pickle, sys\n"
+        "m = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(m.name, m.get_path())\n"
+    )
+    env = dict(os.environ, VLLM_PLUGINS="none")  # no plugin of any group may run
+    res = subprocess.run(
+        [sys.executable, "-c", code], input=blob, capture_output=True, env=env, timeout=300
+    )
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    assert res.stdout.decode().split() == ["MLA_ABSORB", BACKEND_PATH]
+
+
+def _selector(head_size: int, **kw) -> object:
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    return AttentionSelectorConfig(
+        head_size=head_size,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=128,
+        use_mla=True,
+        **kw,
+    )
+
+
+def test_cpu_platform_selects_mla_absorb_and_keeps_default_otherwise() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    plugin.register()
+    member = plugin.register_backend_enum()
+    assert CpuPlatform.get_attn_backend_cls(member, _selector(128)) == BACKEND_PATH
+    default = CpuPlatform.get_attn_backend_cls(None, _selector(576))
+    assert default.endswith(("AMXMLABackend", "CPUMLABackend"))
+    with pytest.raises(ValueError, match="sparse"):
+        CpuPlatform.get_attn_backend_cls(member, _selector(576, use_sparse=True))
+
+
+def test_python_api_engine_config(tmp_path: Path, model_dirs) -> None:
+    """``attention_backend="mla_absorb"`` parses, selects our backend, keeps chunked prefill
+    and prefix caching (vLLM CPU turns them off for its reference MLA backend) and forces
+    native RoPE."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(model_dirs["odd"]),
+        attention_backend="mla_absorb",
+        max_model_len=512,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        block_size=16,
+        skip_tokenizer_init=True,
+    )
+    cfg = args.create_engine_config()
+    assert cfg.attention_config.backend.name == "MLA_ABSORB"
+    assert cfg.scheduler_config.enable_chunked_prefill
+    assert cfg.cache_config.enable_prefix_caching
+    assert cfg.cache_config.block_size == 16
+    assert "-rotary_embedding" in cfg.compilation_config.custom_ops
+
+
+def test_unsupported_kv_cache_dtype_fails_at_startup(model_dirs) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(model_dirs["odd"]),
+        attention_backend="mla_absorb",
+        max_model_len=512,
+        kv_cache_dtype="fp8_e5m2",
+        skip_tokenizer_init=True,
+    )
+    with pytest.raises(Exception, match="fp8_e5m2"):
+        args.create_engine_config()
+
+
+def test_untested_vllm_version_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    plugin.check_vllm_version("0.32.0")
+    plugin.check_vllm_version("0.32.1+cpu")
+    for bad in ("0.31.2", "0.33.0", "1.0.0", "garbage"):
+        with pytest.raises(RuntimeError, match=bad.replace(".", r"\.")):
+            plugin.check_vllm_version(bad)
+    monkeypatch.setenv(plugin.ALLOW_UNTESTED_ENV, "1")
+    plugin.check_vllm_version("0.40.0")  # warning only
+
+
+def _fake_config(**model_kw) -> SimpleNamespace:
+    hf = SimpleNamespace(**model_kw.pop("hf", {}))
+    model = SimpleNamespace(
+        use_mla=model_kw.get("use_mla", True),
+        model="m",
+        architectures=["X"],
+        get_sliding_window=lambda: model_kw.get("window"),
+        hf_text_config=hf,
+    )
+    return SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(cache_dtype=model_kw.get("cache_dtype", "auto")),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=model_kw.get("dcp", 1), prefill_context_parallel_size=1
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        (dict(window=4096), "sliding_window=4096"),
+        (dict(hf={"use_alibi": True}), "use_alibi"),
+        (dict(use_mla=False), "does not use MLA"),
+        (dict(hf={"index_topk": 2048}), "index_topk=2048"),
+        (dict(cache_dtype="int8"), "kv_cache_dtype='int8'"),
+        (dict(dcp=2), "decode_context_parallel_size=2"),
+    ],
+)
+def test_unsupported_settings_are_named(kw: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named.replace("[", r"\[")):
+        plugin.validate_engine_config(_fake_config(**kw))
+    plugin.validate_engine_config(_fake_config())  # the supported case passes
+
+
+def test_cli_launcher_bench_latency(model_dirs) -> None:
+    """``vllm bench latency`` through the launcher; the engine's worker processes (spawned)
+    resolve MLA_ABSORB and log its selection."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "mla_backend_integrations.vllm.cli",
+        "bench",
+        "latency",
+        "--model",
+        str(model_dirs["odd"]),
+        "--attention-backend",
+        "mla_absorb",
+        "--input-len",
+        "48",
+        "--output-len",
+        "8",
+        "--batch-size",
+        "2",
+        "--num-iters-warmup",
+        "1",
+        "--num-iters",
+        "1",
+        "--skip-tokenizer-init",
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+    ]
+    res = subprocess.run(cmd, capture_output=True, env=env, timeout=900, text=True)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "Avg latency" in log
+    assert "Using MLA_ABSORB backend" in log
+    assert "'attention_backend': 'mla_absorb'" in log
