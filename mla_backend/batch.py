@@ -122,6 +122,11 @@ class MLABatch:
     def max_kv_len(self) -> int:
         return max(self.kv_lens, default=0)
 
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[T] int64 position of every query token (``prefix_lens[i] + j``)."""
+        pos = [p + j for p, n in zip(self.prefix_lens, self.new_lens) for j in range(n)]
+        return torch.tensor(pos, dtype=torch.long, device=device)
+
     def select(self, indices: Sequence[int]) -> MLABatch:
         """Sub-batch of the given requests (their query rows are ``token_index(indices)``)."""
         idx = list(indices)

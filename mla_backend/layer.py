@@ -106,11 +106,6 @@ class MLALayer(nn.Module):
             self.rope(k_pe, positions),
         )
 
-    @staticmethod
-    def positions(batch: MLABatch, device: torch.device) -> torch.Tensor:
-        pos = [p + j for p, n in zip(batch.prefix_lens, batch.new_lens) for j in range(n)]
-        return torch.tensor(pos, dtype=torch.long, device=device)
-
     def forward(
         self,
         hidden: torch.Tensor,
@@ -123,7 +118,7 @@ class MLALayer(nn.Module):
         [num_pages, page_size, r + rope] at ``slot_mapping`` [T] first."""
         if self.variant != "A_CC_ME":
             raise ValueError("this layer is the CD variant: call forward_cd")
-        q_nope, q_pe, c_kv, k_pe = self.project(hidden, self.positions(batch, hidden.device))
+        q_nope, q_pe, c_kv, k_pe = self.project(hidden, batch.positions(hidden.device))
         write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
         o = self.attention()(q_nope, q_pe, kv_cache, batch, kv_scale)
         return self.o_proj(o.reshape(o.shape[0], -1))
@@ -132,7 +127,7 @@ class MLALayer(nn.Module):
         self, hidden: torch.Tensor, batch: MLABatch, cache: DecompressedCache
     ) -> torch.Tensor:
         """CD: hidden [T, hidden] -> [T, hidden]; appends decompressed K/V to ``cache``."""
-        q_nope, q_pe, c_kv, k_pe = self.project(hidden, self.positions(batch, hidden.device))
+        q_nope, q_pe, c_kv, k_pe = self.project(hidden, batch.positions(hidden.device))
         w = self.attention().weights
         for i, (t0, n) in enumerate(zip(batch.cu_new, batch.new_lens)):
             latent = torch.cat([c_kv[t0 : t0 + n], k_pe[t0 : t0 + n]], -1)

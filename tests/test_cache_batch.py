@@ -97,3 +97,8 @@ def test_attention_rejects_bad_inputs() -> None:
         mb.absorbed_attention(
             torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), cache, b, 1.0, impl="cuda"
         )
+
+
+def test_batch_positions() -> None:
+    b = mb.MLABatch.build([0, 5, 2], [2, 1, 3], torch.zeros(3, 4, dtype=torch.int32), 4)
+    assert b.positions().tolist() == [0, 1, 5, 2, 3, 4]
