@@ -9,10 +9,12 @@ rope 64, value 512, page size 64. Throughput uses FlashMLA's formulas, so number
 comparable with its README (H800: ~3000 GB/s memory-bound, 580-660 TFLOP/s compute-bound):
 
     FLOPs = 2 * q_len * total_kv * heads * (576 + 512)
-    bytes = (total_kv * 576 + batch * q_len * heads * (576 + 512)) * element_size
+    bytes = (total_kv * 576 + batch * q_len * heads * (576 + 512)) * 2   (bf16; an fp8 cache
+            counts its 576 kv elements at 1 byte, q and o stay bf16)
     TFLOP/s = FLOPs / 1e9 / ms;  GB/s = bytes / 1e6 / ms
 
 Usage: python benchmarks/triton_gpu_bench.py [--cache fp8] [--quick] [--no-check]
+           [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
        TRITON_INTERPRET=1 python benchmarks/triton_gpu_bench.py --smoke   (CPU: plumbing only)
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -30,11 +33,15 @@ PAGE = 64
 
 
 def _flashmla_throughput(
-    ms: float, batch: int, q_len: int, heads: int, total_kv: int, elem_bytes: int
+    ms: float, batch: int, q_len: int, heads: int, total_kv: int, kv_bytes: int, q_bytes: int = 2
 ) -> tuple[float, float]:
-    """(TFLOP/s, GB/s) with FlashMLA's accounting (one kv head of width 576, value 512)."""
+    """(TFLOP/s, GB/s) with FlashMLA's accounting (one kv head of width 576, value 512).
+
+    ``kv_bytes``: cache element size (2 bf16, 1 fp8); ``q_bytes``: query / output element
+    size (bf16). With both 2 this is exactly FlashMLA's formula.
+    """
     flops = 2 * q_len * total_kv * heads * (D + DV)
-    nbytes = (total_kv * D + batch * q_len * heads * D + batch * q_len * heads * DV) * elem_bytes
+    nbytes = total_kv * D * kv_bytes + batch * q_len * heads * (D + DV) * q_bytes
     return flops / 1e9 / ms, nbytes / 1e6 / ms
 
 
@@ -75,20 +82,101 @@ def _case(
     return q_lat, q_pe, cache, batch_desc, kv_scale, kv_lens
 
 
+def sweep(
+    dev: torch.device,
+    batch: int,
+    means: list[int],
+    head_list: list[int],
+    q_lens: list[int],
+    cache_dtype: torch.dtype,
+    timer: Callable[[Callable[[], object]], float],
+    check: bool = True,
+    peaks: tuple[float, float] | None = None,
+) -> float:
+    """Time every shape and print one row each; returns the worst max|o_triton - o_torch|.
+
+    ``timer(fn)`` returns milliseconds per call; ``peaks`` = (TFLOP/s, GB/s) of the device to
+    print the fraction of the roofline bound max(bytes / bandwidth, FLOPs / peak).
+    """
+    from mla_backend.ops import torch_ops, triton_ops
+    from mla_backend.ops.triton_kernels import heuristics as hx
+
+    kv_bytes = 1 if cache_dtype == torch.float8_e4m3fn else 2
+    scale = 1.0 / (192**0.5)
+    worst = 0.0
+    print(
+        "batch mean_kv heads q_len varlen splits      ms  TFLOP/s    GB/s  max|o-torch|"
+        + ("  %roofline" if peaks else "")
+    )
+    for mean_kv in means:
+        for heads in head_list:
+            for q_len in q_lens:
+                for varlen in (False, True):
+                    q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
+                        dev, batch, mean_kv, heads, q_len, varlen, cache_dtype
+                    )
+                    block_q, block_h = hx.attention_tiles(heads, q_len)
+                    n_blocks = batch * -(-q_len // block_q) * -(-heads // block_h)
+                    splits = hx.choose_num_splits(n_blocks, b.max_kv_len, hx.sm_count(dev))
+
+                    def run(q_lat=q_lat, q_pe=q_pe, cache=cache, b=b, kv_scale=kv_scale):
+                        return triton_ops.absorbed_attention(q_lat, q_pe, cache, b, scale, kv_scale)
+
+                    err = float("nan")
+                    if check:
+                        o, _ = run()
+                        o_ref, _ = torch_ops.absorbed_attention(
+                            q_lat, q_pe, cache, b, scale, kv_scale
+                        )
+                        err = float((o.float() - o_ref.float()).abs().max())
+                        worst = max(worst, err)
+                    ms = timer(run)
+                    tflops, gbs = _flashmla_throughput(
+                        ms, batch, q_len, heads, sum(kv_lens), kv_bytes
+                    )
+                    extra = ""
+                    if peaks:
+                        bound_ms = max(gbs * ms / peaks[1], tflops * ms / peaks[0])
+                        extra = f"  {100 * bound_ms / ms:9.1f}"
+                    print(
+                        f"{batch:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
+                        f"{splits:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
+                    )
+                    del q_lat, q_pe, cache
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cache", choices=["bf16", "fp8"], default="bf16", help="latent cache dtype")
     p.add_argument("--quick", action="store_true", help="only mean kv 4096, heads 16 and 128")
     p.add_argument("--no-check", action="store_true", help="skip the torch-path comparison")
+    p.add_argument("--q-lens", default="1,2", help="new tokens per request (e.g. 1,2,16,64)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="device bf16 dense peak (e.g. 989 for H100/H800 SXM) to print %% of roofline",
+    )
+    p.add_argument(
+        "--peak-gbs", type=float, default=None, help="device memory bandwidth in GB/s (3350)"
+    )
     p.add_argument(
         "--smoke",
         action="store_true",
         help="tiny shapes on CPU under TRITON_INTERPRET=1, no timing (tests the script itself)",
     )
     args = p.parse_args(argv)
+    cache_dtype = torch.float8_e4m3fn if args.cache == "fp8" else torch.bfloat16
+    q_lens = [int(x) for x in args.q_lens.split(",") if x.strip()]
+    peaks = None
+    if args.peak_tflops is not None and args.peak_gbs is not None:
+        peaks = (args.peak_tflops, args.peak_gbs)
 
     if args.smoke:
-        return _smoke()
+        return _smoke(cache_dtype, peaks)
     if not torch.cuda.is_available():
         print(
             "triton_gpu_bench: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False); "
@@ -101,56 +189,31 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("triton_gpu_bench: triton is not installed (pip install 'mla-backend[triton]')")
         return 0
-
-    from mla_backend.ops import torch_ops, triton_ops
     from mla_backend.ops.triton_kernels import heuristics as hx
 
     torch.manual_seed(0)
     random.seed(0)
-    cache_dtype = torch.float8_e4m3fn if args.cache == "fp8" else torch.bfloat16
-    elem = 1 if args.cache == "fp8" else 2
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     print(f"device: {name}, SMs/CUs: {hx.sm_count(dev)}, cache {args.cache}, page {PAGE}")
-    print("batch mean_kv heads q_len varlen splits      ms  TFLOP/s    GB/s  max|o-torch|")
     means = [4096] if args.quick else [4096, 8192]
     head_list = [16, 128] if args.quick else [16, 32, 64, 128]
-    scale = 1.0 / (192**0.5)
-    for mean_kv in means:
-        for heads in head_list:
-            for q_len in (1, 2):
-                for varlen in (False, True):
-                    q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
-                        dev, 128, mean_kv, heads, q_len, varlen, cache_dtype
-                    )
-                    block_q, block_h = hx.attention_tiles(heads, q_len)
-                    n_blocks = 128 * -(-q_len // block_q) * -(-heads // block_h)
-                    splits = hx.choose_num_splits(n_blocks, b.max_kv_len, hx.sm_count(dev))
-
-                    def run(q_lat=q_lat, q_pe=q_pe, cache=cache, b=b, kv_scale=kv_scale):
-                        return triton_ops.absorbed_attention(q_lat, q_pe, cache, b, scale, kv_scale)
-
-                    err = float("nan")
-                    if not args.no_check:
-                        o, _ = run()
-                        o_ref, _ = torch_ops.absorbed_attention(
-                            q_lat, q_pe, cache, b, scale, kv_scale
-                        )
-                        err = float((o.float() - o_ref.float()).abs().max())
-                    ms = triton.testing.do_bench(run)
-                    tflops, gbs = _flashmla_throughput(ms, 128, q_len, heads, sum(kv_lens), elem)
-                    print(
-                        f"{128:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
-                        f"{splits:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}"
-                    )
-                    del q_lat, q_pe, cache
-                    torch.cuda.empty_cache()
+    sweep(
+        dev,
+        128,
+        means,
+        head_list,
+        q_lens,
+        cache_dtype,
+        timer=triton.testing.do_bench,
+        check=not args.no_check,
+        peaks=peaks,
+    )
     return 0
 
 
-def _smoke() -> int:
-    """Run every code path of the benchmark on tiny CPU shapes (interpreter), no timing."""
-    from mla_backend.ops import torch_ops, triton_ops
+def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:
+    """The whole sweep on tiny CPU shapes under the interpreter, with a fake 1 ms timer."""
     from mla_backend.ops.triton_kernels import heuristics as hx
 
     if not hx.interpreting():
@@ -158,21 +221,16 @@ def _smoke() -> int:
         return 2
     torch.manual_seed(0)
     random.seed(0)
-    cpu = torch.device("cpu")
-    worst = 0.0
-    for cache_dtype, elem in ((torch.bfloat16, 2), (torch.float8_e4m3fn, 1)):
-        for q_len in (1, 2):
-            q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
-                cpu, 2, 80, 16, q_len, True, cache_dtype
-            )
-            o, _ = triton_ops.absorbed_attention(q_lat, q_pe, cache, b, 0.07, kv_scale)
-            o_ref, _ = torch_ops.absorbed_attention(q_lat, q_pe, cache, b, 0.07, kv_scale)
-            err = float((o.float() - o_ref.float()).abs().max())
-            worst = max(worst, err)
-            tflops, gbs = _flashmla_throughput(1.0, 2, q_len, 16, sum(kv_lens), elem)
-            print(
-                f"smoke {cache_dtype} q_len {q_len}: max|o-torch| {err:.3e} ({gbs:.3f} GB at 1 ms)"
-            )
+    worst = sweep(
+        torch.device("cpu"),
+        2,
+        [80],
+        [16],
+        [1, 2],
+        cache_dtype,
+        timer=lambda fn: 1.0,
+        peaks=peaks,
+    )
     return 0 if worst < 5e-2 else 1
 
 

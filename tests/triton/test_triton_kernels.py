@@ -583,4 +583,12 @@ def test_gpu_benchmark_plumbing_on_cpu(capsys) -> None:
     if not torch.cuda.is_available():
         assert bench.main([]) == 0
         assert "needs a CUDA or ROCm GPU" in capsys.readouterr().out
-    assert bench.main(["--smoke"]) == 0  # every benchmark code path, tiny CPU shapes
+    _, gbs8 = bench._flashmla_throughput(1.0, 1, 1, 1, 1000, 1)  # fp8 cache, bf16 q / o
+    assert gbs8 == pytest.approx((1000 * 576 + (576 + 512) * 2) / 1e6)
+    # The GPU sweep's code on tiny CPU shapes (fake timer), compared with the torch path.
+    assert bench.main(["--smoke"]) == 0
+    assert (
+        bench.main(["--smoke", "--cache", "fp8", "--peak-tflops", "989", "--peak-gbs", "3350"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("\n    2      80    16") == 8 and "%roofline" in out
