@@ -1,0 +1,187 @@
+"""SGLang one-batch benchmark on CPU: ``mla_absorb`` vs SGLang's in-tree CPU attention backend.
+
+Runs SGLang's own ``sglang.benchmark.one_batch`` (static batch, no server: one prefill of
+``batch x input_len`` tokens, then ``output_len`` decode steps) once per backend, each in its
+own process (``SGLANG_USE_CPU_ENGINE=1``, plugins loaded first, so ``mla_absorb`` parses), on
+a tiny DeepSeek-V2 checkpoint with DeepSeek-V2-Lite attention dims (16 heads, latent 512 +
+rope 64, nope 128, v 128; 2 layers, hidden 256, bf16, random weights) unless ``--model`` is
+given. Writes the raw results (jsonl) and a markdown table to ``benchmarks/results/``.
+
+The in-tree comparison on this machine is ``torch_native`` (``intel_amx`` needs the sgl-kernel
+CPU build, which does not exist on PyPI; ``triton`` needs a GPU). With SGLang's default
+DeepSeek handler, ``torch_native`` crashes on a fresh prefill (the MHA path reads the 576-wide
+latent pool as per-head K), so this script runs it as ``torch_native:absorb``: benchmark-only
+glue that registers a handler sending every batch to the absorbed (MLA) path, which it serves.
+``mla_absorb:POLICY`` sets ``MLA_BACKEND_POLICY`` (cost, sglang, absorb, normal) for that run.
+A backend that fails is reported in the table with its error, not dropped.
+
+SGLang imports torchvision and sgl_kernel at module level; the import-only stand-ins of the
+test suite (``integrations/sglang/tests/stubs``) are put on PYTHONPATH.
+
+    python benchmarks/sglang_bench.py [--batch-sizes 1 8] [--input-lens 256 1024]
+        [--output-len 32] [--backends mla_absorb torch_native] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STUBS = ROOT / "integrations" / "sglang" / "tests" / "stubs"
+RESULTS = ROOT / "benchmarks" / "results"
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def _worker(argv: list[str]) -> None:
+    """In the child: load SGLang plugins (registers mla_absorb), then run one_batch's CLI."""
+    import runpy
+
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    if os.environ.get("SGLANG_BENCH_TORCH_NATIVE_ABSORB") == "1":
+        from sglang.srt.models.deepseek_common.attention_backend_handler import (
+            AttentionBackendRegistry,
+        )
+        from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+            AttnForwardMethod,
+        )
+
+        AttentionBackendRegistry.register("torch_native", lambda attn, fb: AttnForwardMethod.MLA)
+    sys.argv = ["one_batch", *argv]
+    runpy.run_module("sglang.benchmark.one_batch", run_name="__main__")
+
+
+def run_backend(
+    backend: str,
+    model: Path,
+    batch_sizes: list[int],
+    input_lens: list[int],
+    output_len: int,
+    result_file: Path,
+    timeout_s: int,
+) -> str | None:
+    """Run one backend's sweep; returns None on success, else the last error line."""
+    env = dict(os.environ)
+    name, _, mode = backend.partition(":")
+    if name == "torch_native" and mode == "absorb":
+        env["SGLANG_BENCH_TORCH_NATIVE_ABSORB"] = "1"
+    elif mode:
+        env["MLA_BACKEND_POLICY"] = mode
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = str(STUBS) + os.pathsep + env.get("PYTHONPATH", "")
+    argv = [
+        "--model-path", str(model),
+        "--device", "cpu",
+        "--attention-backend", name,
+        "--disable-cuda-graph",
+        "--max-total-tokens", str(max(batch_sizes) * (max(input_lens) + output_len) + 256),
+        "--batch-size", *map(str, batch_sizes),
+        "--input-len", *map(str, input_lens),
+        "--output-len", str(output_len),
+        "--run-name", backend,
+        "--result-filename", str(result_file),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--_worker", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or [f"exit code {proc.returncode}"])[-1][:200]
+
+
+def table(rows: list[dict[str, Any]], failures: dict[str, str]) -> str:
+    """Markdown table of one_batch results (latencies in ms, throughputs in tokens/s)."""
+    out = [
+        "| backend | batch | input | output | prefill ms | prefill tok/s | median decode ms "
+        "| decode tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['run_name']} | {r['batch_size']} | {r['input_len']} | {r['output_len']} "
+            f"| {r['prefill_latency'] * 1e3:.1f} | {r['prefill_throughput']:.0f} "
+            f"| {r['median_decode_latency'] * 1e3:.2f} | {r['median_decode_throughput']:.0f} |"
+        )
+    for name, err in failures.items():
+        out.append(f"| {name} | failed: {err.replace('|', '/')} | | | | | | |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--input-lens", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument(
+        "--backends", nargs="+", default=["mla_absorb", "mla_absorb:absorb", "torch_native:absorb"]
+    )
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: tiny)")
+    p.add_argument("--out", type=Path, default=RESULTS / "sglang_one_batch")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per backend")
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from mla_backend.tiny_model import make_tiny_deepseek_v2
+
+            model = Path(tmp) / "tiny-v2-lite-dims"
+            make_tiny_deepseek_v2(model, seed=0, dtype="bfloat16", rope_scaling=YARN)
+        raw = Path(tmp) / "raw.jsonl"
+        failures: dict[str, str] = {}
+        for backend in args.backends:
+            err = run_backend(
+                backend, model, args.batch_sizes, args.input_lens, args.output_len, raw,
+                args.timeout,
+            )  # fmt: skip
+            if err is not None:
+                failures[backend] = err
+            print(f"{backend}: {'ok' if err is None else 'FAILED: ' + err}", flush=True)
+        rows = [json.loads(ln) for ln in raw.read_text().splitlines()] if raw.exists() else []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = table(rows, failures)
+    desc = (
+        "tiny DeepSeek-V2, V2-Lite attention dims (16 heads, 512+64, nope 128, v 128), "
+        "2 layers, hidden 256, bf16, random weights"
+        if args.model is None
+        else str(args.model)
+    )
+    header = (
+        "# SGLang one-batch benchmark (CPU, `sglang.benchmark.one_batch`)\n\n"
+        f"Model: {desc}; machine: {os.cpu_count()} cores. `torch_native:absorb` = torch_native "
+        "with every batch on the absorbed path (benchmark glue; its default MHA prefill "
+        "crashes on the latent pool). `mla_absorb` = default cost policy.\n\n"
+    )
+    args.out.with_suffix(".md").write_text(header + md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_worker":
+        _worker(sys.argv[2:])
+    else:
+        sys.exit(main())
