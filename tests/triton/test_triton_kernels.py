@@ -508,6 +508,27 @@ def test_seam_routes_to_triton_and_matches_paper_oracle() -> None:
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_env_override_routes_cpu_tensors_to_triton(monkeypatch) -> None:
+    """MLA_BACKEND_IMPL=triton sends CPU tensors through the seam to the Triton kernels."""
+    case = Case([9, 2], [1, 3], H=2, r=16, rope=16, page_size=16, seed=8)
+    calls = []
+    for name in ("absorbed_attention", "write_latent"):
+        real = getattr(tops, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(tops, name, spy)
+    monkeypatch.setenv("MLA_BACKEND_IMPL", "triton")
+    kv = case.kv_cache.clone()
+    mb.write_latent(kv, torch.randn(1, 16), torch.randn(1, 16), torch.tensor([-1]))
+    assert torch.equal(kv.nan_to_num(7.0), case.kv_cache.nan_to_num(7.0))  # -1: nothing written
+    got = mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, case.batch, case.scale)
+    assert calls == ["write_latent", "absorbed_attention"]
+    assert_matches(case, got)
+
+
 def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
     from mla_backend.ops.triton_kernels import attention
 
