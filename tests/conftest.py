@@ -58,7 +58,8 @@ def make_case(
     spare_pages: int = 3,
 ) -> Case:
     """Random latents written through ``write_latent`` into shuffled physical pages (page 0
-    is left unused, like vLLM's null block), padding slots (-1) mixed into the slot mapping."""
+    is left unused, like vLLM's null block; unwritten rows hold NaN), padding slots (-1)
+    mixed into the slot mapping."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     r, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
@@ -69,7 +70,8 @@ def make_case(
     rng.shuffle(perm)
     max_pages = max(pages_needed + [1]) + 1
     block_table = torch.zeros(len(prefix_lens), max_pages, dtype=torch.int32)
-    kv_cache = torch.zeros(num_pages, page_size, r + rope, dtype=cache_dtype)
+    # never-written cache memory holds NaN: any read outside a request's rows shows up
+    kv_cache = torch.full((num_pages, page_size, r + rope), float("nan")).to(cache_dtype)
     kv_scale = torch.tensor(0.02, dtype=torch.float32) if cache_dtype == mb.FP8_DTYPE else None
     c_seqs, p_seqs = [], []
     k = 0

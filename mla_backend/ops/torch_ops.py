@@ -167,8 +167,11 @@ def _decode_group(
         kv = kv.to(cd)
     rows = torch.tensor([batch.cu_new[i] for i in reqs], device=dev)
     qg = q.index_select(0, rows)  # [G, H, D]
+    pad = torch.arange(npg * ps, device=dev)[None, :] >= lens[:, None]  # [G, Lmax]
+    # rows past a request's length are never-written cache memory (may hold NaN/Inf, e.g.
+    # fp8 0x7F): zero them in the gathered copy, since 0 * NaN would poison P·V
+    kv.masked_fill_(pad[:, :, None], 0)
     scores = torch.bmm(kv, qg.transpose(1, 2)).float().mul_(score_scale)  # [G, Lmax, H]
-    pad = torch.arange(npg * ps, device=dev)[None, :] >= lens[:, None]
     scores.masked_fill_(pad[:, :, None], float("-inf"))
     m = scores.amax(dim=1, keepdim=True)  # [G, 1, H]
     p = torch.exp_(scores.sub_(m))
