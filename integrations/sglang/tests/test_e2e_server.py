@@ -108,8 +108,10 @@ def test_concurrent_batch(server, oracle):
         ref_toks, ref_lps = oracle.greedy(ids, N_NEW)
         assert toks == ref_toks
         assert max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True)) <= LOGPROB_ATOL
-    batched = [int(m) for m in re.findall(r"#running-req: (\d+)", server.log())]
-    assert max(batched) >= 2, "the requests were never batched together"
+    log = server.log()
+    together = [int(m) for m in re.findall(r"#new-seq: (\d+)", log)]
+    together += [int(m) for m in re.findall(r"#running-req: (\d+)", log)]
+    assert max(together) >= 2, "the requests were never batched together"
 
 
 def test_every_path_ran(server):
