@@ -83,6 +83,26 @@ class Server:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
             return json.loads(r.read())
 
+    def score(self, input_ids: list[int], start: int) -> list[float]:
+        """Teacher-forced logprobs of ``input_ids[start:]`` (each given the tokens before it)."""
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+        }
+        req = urllib.request.Request(
+            self.url + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            entries = json.loads(r.read())["meta_info"]["input_token_logprobs"]
+        lps = [e[0] for e in entries]
+        if lps and lps[0] is None:  # the first position has no preceding token
+            lps = lps[1:]
+        return [float(x) for x in lps[: len(input_ids) - start]]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
