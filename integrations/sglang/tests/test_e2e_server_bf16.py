@@ -4,7 +4,8 @@ bf16 rounding through the whole model makes greedy tokens of a random tiny model
 an fp32 oracle at near-ties, so this module compares teacher-forced log-probabilities instead:
 the oracle (transformers ``DeepseekV2ForCausalLM``, fp32) generates a greedy continuation, the
 server scores prompt + continuation, and every continuation token's logprob must agree within
-BF16_LOGPROB_ATOL = 0.15 nats (measured: <= 0.075 on these prompts).
+BF16_LOGPROB_ATOL = 0.15 nats (measured: <= 0.075 on these prompts; with the absorbed path's
+softmax scale deliberately multiplied by 1.5 the difference was 1.09, so the check can fail).
 
 SGLang 0.5.23 itself refuses an fp8 KV cache for MLA models on CPU ("CPU FP8 KV cache is only
 supported for MHA"), so fp8 KV is covered by the harness and ForwardBatch tests only.
