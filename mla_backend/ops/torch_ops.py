@@ -30,6 +30,7 @@ _MIN_SPLIT_TOKENS = 256
 # decode is bandwidth- and overhead-bound (few heads). Larger H keeps the GEMM path.
 FLASH_DECODE_MAX_HEADS = 64
 _FLASH_SPLIT_TOKENS = 16384
+_FLASH_MIN_PART_TOKENS = 256
 _MAX_SPLIT_TOKENS = 8192
 
 
@@ -170,7 +171,8 @@ def _decode_group(
     pad = torch.arange(npg * ps, device=dev)[None, :] >= lens[:, None]  # [G, Lmax]
     # rows past a request's length are never-written cache memory (may hold NaN/Inf, e.g.
     # fp8 0x7F): zero them in the gathered copy, since 0 * NaN would poison P·V
-    kv.masked_fill_(pad[:, :, None], 0)
+    for g, i in enumerate(reqs):
+        kv[g, batch.kv_lens[i] :].zero_()
     scores = torch.bmm(kv, qg.transpose(1, 2)).float().mul_(score_scale)  # [G, Lmax, H]
     scores.masked_fill_(pad[:, :, None], float("-inf"))
     m = scores.amax(dim=1, keepdim=True)  # [G, 1, H]
@@ -184,6 +186,15 @@ def _decode_group(
     lse[rows] = (m + torch.log(l)).squeeze(-1)
 
 
+def _flash(q: torch.Tensor, kv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused CPU flash attention of q [B, 1, M, D] against kv [B, 1, c, D] (K = V = kv).
+    Returns (o [B, M, D] fp32, lse [B, M])."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, kv, kv, 0.0, False, scale=scale
+    )[:2]
+    return o[:, 0].float(), lse[:, 0]
+
+
 def _flash_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -193,23 +204,38 @@ def _flash_decode(
     kv_scale: torch.Tensor | None,
     gather_buf: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode request through the fused CPU flash kernel, KV split and LSE-merged.
+    """One decode request through the fused CPU flash kernel.
 
-    q: [1, H, D] (token's [q_lat ; q_pe] rows). Returns (o [1, H, D] fp32, lse [1, H])."""
+    The flash kernel parallelizes over batch x heads x query blocks; one decode token is a
+    single query block, so the KV is cut into equal parts laid out as the batch dimension
+    (a view of the gathered rows, no copy) to keep every thread busy, and the parts are
+    merged through their LSE (flash-decoding). q: [1, H, D] (the token's [q_lat ; q_pe]
+    rows). Returns (o [1, H, D] fp32, lse [1, H])."""
     cd = q.dtype
+    H, D = q.shape[1], q.shape[2]
     L = batch.kv_lens[i]
-    qf = q.view(1, 1, q.shape[1], q.shape[2])
+    qf = q.view(1, 1, H, D)
+    parts_max = 2 * torch.get_num_threads()
     o = lse = None
     for s in range(0, L, _FLASH_SPLIT_TOKENS):
         e = min(L, s + _FLASH_SPLIT_TOKENS)
         kv = gather_latent(kv_cache, batch.block_table[i], s, e, out=gather_buf)
         if kv.dtype != cd:
             kv = kv.to(cd) if kv_scale is None else (kv.float() * kv_scale.float()).to(cd)
-        kv4 = kv.view(1, 1, e - s, kv.shape[-1])
-        o_c, lse_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qf, kv4, kv4, 0.0, False, scale=softmax_scale
-        )[:2]
-        o_c, lse_c = o_c.view(1, -1, kv.shape[-1]).float(), lse_c.view(1, -1)
+        c = e - s
+        parts = max(1, min(parts_max, c // _FLASH_MIN_PART_TOKENS))
+        size = c // parts
+        main = parts * size
+        o_p, lse_p = _flash(qf.expand(parts, 1, H, D), kv[:main].view(parts, 1, size, D),
+                            softmax_scale)
+        if parts > 1:
+            lse_c = torch.logsumexp(lse_p, dim=0, keepdim=True)  # [1, H]
+            o_c = (o_p * torch.exp(lse_p - lse_c).unsqueeze(-1)).sum(0, keepdim=True)
+        else:
+            o_c, lse_c = o_p, lse_p
+        if main < c:
+            o_r, lse_r = _flash(qf, kv[main:].view(1, 1, c - main, D), softmax_scale)
+            o_c, lse_c = merge_attention_states(o_c, lse_c, o_r, lse_r)
         if o is None:
             o, lse = o_c, lse_c
         else:
