@@ -200,12 +200,13 @@ def test_decode_paths_match_oracle(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_absorbed_many_kv_splits_with_causal_extends(dtype: torch.dtype,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tiny splits force LSE merging across many KV splits, including splits that lie
-    entirely past some new tokens' causal limit (none of their keys)."""
+    """Tiny splits and query blocks force LSE merging across many KV splits, including
+    splits that lie entirely past some new tokens' causal limit (none of their keys)."""
     from mla_backend.ops import torch_ops
 
     monkeypatch.setattr(torch_ops, "_MAX_TILE_ELEMENTS", 512)
     monkeypatch.setattr(torch_ops, "_MIN_SPLIT_TOKENS", 8)
+    monkeypatch.setattr(torch_ops, "_MAX_QUERY_ROWS", 21)  # blocks of 7 new tokens (H=3)
     case = make_case(DIMS["odd"], [0, 37, 5], [60, 25, 1], 8, dtype=dtype, seed=5)
     q_lat = mb.absorb_q(case.q_nope, case.weights)
     _, lse_ref = mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, case.batch,

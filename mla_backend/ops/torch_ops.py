@@ -24,6 +24,8 @@ _MAX_TILE_ELEMENTS = 1 << 22
 # nothing from batching (its own matmuls are large enough).
 _MAX_GROUP_TOKENS = 8192
 _MIN_SPLIT_TOKENS = 256
+# Query rows (new tokens x heads) of one extend block.
+_MAX_QUERY_ROWS = 4096
 # Decode with at most this many heads runs torch's fused CPU flash kernel as single-head
 # attention of H query rows against the latent rows (value = the same rows, whose first r
 # output columns are kept): one fused pass instead of matmul + softmax ops, which wins where
@@ -226,8 +228,9 @@ def _flash_decode(
         parts = max(1, min(parts_max, c // _FLASH_MIN_PART_TOKENS))
         size = c // parts
         main = parts * size
-        o_p, lse_p = _flash(qf.expand(parts, 1, H, D), kv[:main].view(parts, 1, size, D),
-                            softmax_scale)
+        o_p, lse_p = _flash(
+            qf.expand(parts, 1, H, D), kv[:main].view(parts, 1, size, D), softmax_scale
+        )
         if parts > 1:
             lse_c = torch.logsumexp(lse_p, dim=0, keepdim=True)  # [1, H]
             o_c = (o_p * torch.exp(lse_p - lse_c).unsqueeze(-1)).sum(0, keepdim=True)
@@ -241,6 +244,59 @@ def _flash_decode(
         else:
             o, lse = merge_attention_states(o, lse, o_c, lse_c)
     return o, lse
+
+
+def _attend_block(
+    qi: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    first_limit: int,
+    kv_end: int,
+    score_scale: float,
+    r: int,
+    bufs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+    split: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive new tokens of one request (token k of the block sees kv positions
+    ``<= first_limit + k``) against kv rows ``[0, kv_end)``, split along the KV and merged
+    online.
+
+    qi: [nb * H, D] query rows (token-major). Returns (o [nb*H, r] fp32, lse [nb*H, 1])."""
+    gather_buf, conv_buf, s_buf, f_buf = bufs
+    rows, D = qi.shape
+    nb = kv_end - first_limit
+    H = rows // nb
+    dev = qi.device
+    acc = m_acc = l_acc = None
+    for s in range(0, kv_end, split):
+        e = min(kv_end, s + split)
+        c = e - s
+        kv = gather_latent(kv_cache, block_row, s, e, out=gather_buf)
+        if conv_buf is not None:
+            kv = conv_buf[:c].copy_(kv)
+        # scores transposed ([c, rows] = kv · q^T) runs faster in oneDNN than q · kv^T
+        sc = torch.mm(kv, qi.t(), out=s_buf[: rows * c].view(c, rows))
+        scores = f_buf[: rows * c].view(c, rows).copy_(sc).mul_(score_scale)
+        if e - 1 > first_limit:  # causal among the new tokens
+            pos = torch.arange(s, e, device=dev)
+            limit = first_limit + torch.arange(nb, device=dev)
+            mask = pos[:, None] > limit[None, :]  # [c, nb]
+            scores.view(c, nb, H).masked_fill_(mask[:, :, None], float("-inf"))
+        # a column may see no key of this split: clamp keeps exp() at 0 instead of NaN
+        m = scores.amax(dim=0, keepdim=True).clamp_(min=-1e30)  # [1, rows]
+        p = torch.exp_(scores.sub_(m))
+        l = p.sum(dim=0, keepdim=True)
+        o = torch.mm(sc.copy_(p).t(), kv[:, :r]).float()  # [rows, r]
+        m, l = m.t(), l.t()  # [rows, 1]
+        if acc is None:
+            acc, m_acc, l_acc = o, m, l
+        else:
+            m_new = torch.maximum(m_acc, m)
+            a, b = torch.exp(m_acc - m_new), torch.exp(m - m_new)
+            acc = acc.mul_(a).add_(o.mul_(b))
+            l_acc = l_acc.mul_(a).add_(l.mul_(b))
+            m_acc = m_new
+    return acc.div_(l_acc), m_acc + torch.log(l_acc)
 
 
 def absorbed_attention(
@@ -302,11 +358,14 @@ def absorbed_attention(
         _decode_group(q, kv_cache, batch, g, score_scale, kv_mult, o_lat, lse)
     if not rest:
         return o_lat, lse
-    # One workspace for the remaining requests, reused by each of them and by every split:
-    # large fresh allocations cost page faults on every call on CPU.
-    max_rows = max(batch.new_lens[i] for i in rest) * H
+    # Extends are processed in blocks of new tokens (bounded rows per score tile); a block
+    # only reads the KV its last token can see, so causal work past it is skipped.
+    qb = max(1, _MAX_QUERY_ROWS // H)
+    max_rows = min(max(batch.new_lens[i] for i in rest), qb) * H
     split = _split_tokens(max_rows, max(batch.kv_lens[i] for i in rest))
     split_pages = -(-split // ps) + 1
+    # One workspace, reused by every block and split: large fresh allocations cost page
+    # faults on every call on CPU.
     gather_buf = torch.empty(split_pages * ps * D, dtype=kv_cache.dtype, device=dev)
     conv_buf = (
         torch.empty(split_pages * ps, D, dtype=cd, device=dev) if kv_cache.dtype != cd else None
@@ -314,44 +373,25 @@ def absorbed_attention(
     s_buf = torch.empty(max_rows * split, dtype=cd, device=dev)
     f_buf = torch.empty(max_rows * split, dtype=torch.float32, device=dev)
     for i in sorted(rest):
-        n = batch.new_lens[i]
-        P = batch.prefix_lens[i]
-        L = P + n
-        t0 = batch.cu_new[i]
-        rows = n * H
-        qi = q[t0 : t0 + n].reshape(rows, D)
-        acc = m_acc = l_acc = None
+        P, n, t0 = batch.prefix_lens[i], batch.new_lens[i], batch.cu_new[i]
         block_row = batch.block_table[i]
-        for s in range(0, L, split):
-            e = min(L, s + split)
-            c = e - s
-            kv = gather_latent(kv_cache, block_row, s, e, out=gather_buf)
-            if conv_buf is not None:
-                kv = conv_buf[:c].copy_(kv)
-            # scores transposed ([c, rows] = kv · q^T) runs faster in oneDNN than q · kv^T
-            sc = torch.mm(kv, qi.t(), out=s_buf[: rows * c].view(c, rows))
-            scores = f_buf[: rows * c].view(c, rows).copy_(sc).mul_(score_scale)
-            if e > P + 1 and n > 1:  # causal among the new tokens
-                pos = torch.arange(s, e, device=dev)
-                limit = P + torch.arange(n, device=dev)
-                mask = pos[:, None] > limit[None, :]  # [c, n]
-                scores.view(c, n, H).masked_fill_(mask[:, :, None], float("-inf"))
-            m = scores.amax(dim=0, keepdim=True).clamp_(min=-1e30)  # [1, rows]
-            p = torch.exp_(scores.sub_(m))
-            l = p.sum(dim=0, keepdim=True)
-            o = torch.mm(sc.copy_(p).t(), kv[:, :r]).float()  # [rows, r]
-            m, l = m.t(), l.t()  # [rows, 1]
-            if acc is None:
-                acc, m_acc, l_acc = o, m, l
-            else:
-                m_new = torch.maximum(m_acc, m)
-                a, b = torch.exp(m_acc - m_new), torch.exp(m - m_new)
-                acc = acc.mul_(a).add_(o.mul_(b))
-                l_acc = l_acc.mul_(a).add_(l.mul_(b))
-                m_acc = m_new
-        out = acc.div_(l_acc)
-        if kv_mult != 1.0:
-            out.mul_(kv_mult)
-        o_lat[t0 : t0 + n] = out.view(n, H, r)
-        lse[t0 : t0 + n] = (m_acc + torch.log(l_acc)).view(n, H)
+        for j0 in range(0, n, qb):
+            j1 = min(n, j0 + qb)
+            rows = (j1 - j0) * H
+            qi = q[t0 + j0 : t0 + j1].reshape(rows, D)
+            out, lse_b = _attend_block(
+                qi,
+                kv_cache,
+                block_row,
+                P + j0,
+                P + j1,
+                score_scale,
+                r,
+                (gather_buf, conv_buf, s_buf, f_buf),
+                split,
+            )
+            if kv_mult != 1.0:
+                out.mul_(kv_mult)
+            o_lat[t0 + j0 : t0 + j1] = out.view(j1 - j0, H, r)
+            lse[t0 + j0 : t0 + j1] = lse_b.view(j1 - j0, H)
     return o_lat, lse
