@@ -165,3 +165,28 @@ def test_fp8_cache_matches_transformers_with_fp8_latents(model_dirs) -> None:
         ref_lp = ref[torch.arange(len(got)), torch.tensor(got)]
         diff = (torch.tensor(_token_logprobs(out)) - ref_lp).abs().max().item()
         assert diff <= FP8_LOGPROB_ATOL, f"logprob diff {diff}"
+
+
+# ---------------------------------------------------------------------------------------
+# Speculative decoding (n-gram drafts): multi-token verify queries go through the backend.
+# ---------------------------------------------------------------------------------------
+def test_ngram_speculative_decoding_matches_transformers(model_dirs, hf_oracles) -> None:
+    llm = make_llm(
+        model_dirs["odd"],
+        max_num_batched_tokens=128,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        },
+    )
+    try:
+        assert llm.llm_engine.vllm_config.speculative_config is not None
+        # repetitive prompts, so the n-gram proposer finds drafts
+        base = _prompts(8, [12, 20])
+        prompts = [b * 6 for b in base]
+        outs = _generate(llm, prompts, 16)
+    finally:
+        shutdown(llm)
+    _check_exact(hf_oracles["odd"], prompts, outs, 16)
