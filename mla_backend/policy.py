@@ -3,8 +3,9 @@
 Modes (one setting: ``Policy(mode=...)`` or the ``MLA_BACKEND_POLICY`` environment variable):
 
 - ``cost`` (default): per request, estimate the time of both paths from their FLOP and byte
-  counts at the layer's actual dims on a roofline (``max(flops / peak, bytes / bandwidth)``)
-  and take the cheaper one. Absorbed attention costs ``N·(P+N)·H·(2r+rope)`` MACs plus the
+  counts at the layer's actual dims on a roofline (``max(flops / (peak * efficiency),
+  bytes / bandwidth)`` per phase, with a measured per-device profile) and take the cheaper
+  one. Absorbed attention costs ``N·(P+N)·H·(2r+rope)`` MACs plus the
   two absorption bmms; normal costs decompressing ``P+N`` latents (``(P+N)·H·r·(nope+v)``)
   plus ``N·(P+N)·H·(nope+rope+v)`` MACs of attention, and writes/reads the decompressed K/V.
 - ``sglang``: SGLang's rule: the normal path only for a plain (non-speculative) EXTEND batch
@@ -34,21 +35,40 @@ THRESHOLD_ENV_VAR = "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD"
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Roofline of a device: peak matmul FLOP/s for the compute dtype, and read bandwidth.
+    """Roofline of a device for the cost model.
 
-    ``attn_efficiency`` is the fraction of peak the fused SDPA kernel of the normal path
-    reaches relative to the GEMMs of the absorbed path (measured: CPU flash SDPA is well
-    below a plain GEMM)."""
+    Attributes:
+        peak_flops: matmul FLOP/s in the compute dtype.
+        bandwidth: read bandwidth from memory (bytes/s).
+        absorbed_efficiency: fraction of peak the absorbed attention reaches.
+        attn_efficiency: fraction of peak the normal path's fused MHA kernel reaches.
+        cache_bytes: decompressed K/V up to this size stays in cache (no memory traffic).
+    """
 
     peak_flops: float
     bandwidth: float
+    absorbed_efficiency: float = 1.0
     attn_efficiency: float = 1.0
+    cache_bytes: float = 0.0
 
 
-# Measured on the project's CPU machines (2 threads, bf16 AMX): see benchmarks/.
-CPU_PROFILE = DeviceProfile(peak_flops=0.57e12, bandwidth=7.8e9, attn_efficiency=0.5)
+# Measured on the project's CPU machines (2 threads, bf16 AMX; the efficiencies fitted to
+# benchmarks/mla_policy_bench.py, whose 36 extend shapes they all pick right).
+CPU_PROFILE = DeviceProfile(
+    peak_flops=0.6e12,
+    bandwidth=7.8e9,
+    absorbed_efficiency=0.7,
+    attn_efficiency=0.3,
+    cache_bytes=32 * 2**20,
+)
 # H800-class GPU (FlashMLA's published figures); unmeasured by us.
-GPU_PROFILE = DeviceProfile(peak_flops=660e12, bandwidth=3.0e12, attn_efficiency=0.6)
+GPU_PROFILE = DeviceProfile(
+    peak_flops=660e12,
+    bandwidth=3.0e12,
+    absorbed_efficiency=0.6,
+    attn_efficiency=0.6,
+    cache_bytes=32 * 2**20,
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +101,12 @@ def absorbed_cost(
     w = H * r * (dims.qk_nope_head_dim + dims.v_head_dim)
     kv_avg = prefix + (new + 1) / 2  # causal among the new tokens
     bmm = _phase(2 * new * w, w * elt, profile)
-    attn = _phase(2 * new * kv_avg * H * (2 * r + rope), (prefix + new) * (r + rope) * elt, profile)
+    attn = _phase(
+        2 * new * kv_avg * H * (2 * r + rope),
+        (prefix + new) * (r + rope) * elt,
+        profile,
+        profile.absorbed_efficiency,
+    )
     return bmm + attn
 
 
@@ -89,16 +114,18 @@ def normal_cost(
     dims: MLADims, prefix: int, new: int, profile: DeviceProfile, elt: int = 2
 ) -> float:
     """Roofline seconds of the normal path for one request: decompress all P + N latents
-    (reading ``kv_b_proj``, writing per-head K/V), then MHA over the decompressed K/V."""
+    (reading ``kv_b_proj``; the per-head K/V it writes costs memory traffic once it outgrows
+    the cache), then MHA over the decompressed K/V."""
     H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     nope, v = dims.qk_nope_head_dim, dims.v_head_dim
     w = H * r * (nope + v)
     kv = prefix + new
     kv_avg = prefix + (new + 1) / 2
     kv_bytes = kv * H * (nope + rope + v) * elt
-    decompress = _phase(2 * kv * w, w * elt + kv * (r + rope) * elt + kv_bytes, profile)
+    kv_traffic = kv_bytes if kv_bytes > profile.cache_bytes else 0.0
+    decompress = _phase(2 * kv * w, w * elt + kv * (r + rope) * elt + kv_traffic, profile)
     attn = _phase(
-        2 * new * kv_avg * H * (nope + rope + v), kv_bytes, profile, profile.attn_efficiency
+        2 * new * kv_avg * H * (nope + rope + v), kv_traffic, profile, profile.attn_efficiency
     )
     return decompress + attn
 
