@@ -273,10 +273,10 @@ class MLAAbsorbBackend(AttentionBackend):
         q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
         T = q.shape[0]
         if q_rope is not None:  # separate convention
-            q_lat = q.view(T, H, r)
-            q_pe = q_rope.view(T, H, rope)
+            q_lat = q.reshape(T, H, r)
+            q_pe = q_rope.reshape(T, H, rope)
         else:  # concatenated [q_lat ; q_pe]
-            qv = q.view(T, H, r + rope)
+            qv = q.reshape(T, H, r + rope)
             q_lat, q_pe = qv[..., :r], qv[..., r:]
         kv_cache = self.paged_cache(layer.layer_id)
         if save_kv_cache and k is not None:
@@ -295,7 +295,7 @@ class MLAAbsorbBackend(AttentionBackend):
             )
             out[: batch.num_tokens] = o_lat
             self._note_path("absorbed", batch)
-            return out.view(T, H * r)
+            return out.reshape(T, H * r)
         o_lat, _ = mb.absorbed_attention(q_lat, q_pe, kv_cache, batch, layer.scaling)
         self._note_path("absorbed", batch)
         return o_lat.reshape(T, H * r)
@@ -308,7 +308,7 @@ class MLAAbsorbBackend(AttentionBackend):
             )
         H, nope, rope = layer.tp_q_head_num, self.qk_nope_head_dim, self.qk_rope_head_dim
         T = q.shape[0]
-        qv = q.view(T, H, nope + rope)
+        qv = q.reshape(T, H, nope + rope)
         n = batch.num_tokens
         core = self._core(layer)
         o = core(qv[:n, :, :nope], qv[:n, :, nope:], self.paged_cache(layer.layer_id), batch)
