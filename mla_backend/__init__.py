@@ -7,8 +7,9 @@ triton where installed), never vLLM or SGLang.
 """
 
 from . import reference
-from .attention import MLAAttention, absorbed_attention, check_cache, write_latent
+from .attention import MLAAttention, absorbed_attention, write_latent
 from .batch import MLABatch, Phase
+from .checks import check_cache
 from .dims import MLADims, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .merge import merge_attention_states

@@ -11,33 +11,14 @@ import logging
 import torch
 
 from .batch import MLABatch
+from .checks import check_cache, check_step
 from .dims import MLADims
-from .fp8 import FP8_DTYPE
 from .normal import normal_attention
 from .ops import get_impl
 from .policy import PathChoice, Policy
 from .weights import AbsorbWeights, absorb_q, apply_W_UV
 
 logger = logging.getLogger("mla_backend")
-
-QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
-
-
-def check_cache(kv_cache: torch.Tensor, latent_dim: int, kv_scale: torch.Tensor | None) -> None:
-    """Validate a paged latent cache [num_pages, page_size, r + rope]."""
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != latent_dim:
-        raise ValueError(
-            f"kv_cache shape {tuple(kv_cache.shape)} is not supported: expected "
-            f"[num_pages, page_size, {latent_dim}] (kv_lora_rank + qk_rope_head_dim)"
-        )
-    if kv_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache dtype {kv_cache.dtype} is not supported; supported: "
-            "bfloat16, float16, float32, float8_e4m3fn"
-        )
-    if kv_scale is not None and kv_cache.dtype != FP8_DTYPE:
-        raise ValueError(f"kv_scale is only meaningful for an fp8 cache, not {kv_cache.dtype}")
 
 
 def write_latent(
@@ -56,6 +37,13 @@ def write_latent(
         kv_scale: float32 scalar for an fp8 cache (stored = value / scale).
     """
     check_cache(kv_cache, c_kv.shape[-1] + k_pe.shape[-1], kv_scale)
+    if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
+        raise ValueError(f"slot_mapping dtype {slot_mapping.dtype} is not supported; use int32/64")
+    if c_kv.shape[0] != k_pe.shape[0] or slot_mapping.shape[0] < c_kv.shape[0]:
+        raise ValueError(
+            f"c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)} and slot_mapping "
+            f"{tuple(slot_mapping.shape)} disagree on the number of tokens"
+        )
     get_impl(kv_cache.device, impl).write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
 
 
@@ -80,18 +68,7 @@ def absorbed_attention(
     Returns:
         (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32).
     """
-    if q_lat.dtype not in QUERY_DTYPES:
-        raise ValueError(f"query dtype {q_lat.dtype} is not supported; use bf16, fp16 or fp32")
-    if q_lat.shape[0] != batch.num_tokens or q_pe.shape[:2] != q_lat.shape[:2]:
-        raise ValueError(
-            f"q_lat {tuple(q_lat.shape)} / q_pe {tuple(q_pe.shape)} do not match the batch's "
-            f"{batch.num_tokens} tokens"
-        )
-    check_cache(kv_cache, q_lat.shape[-1] + q_pe.shape[-1], kv_scale)
-    if kv_cache.shape[1] != batch.page_size:
-        raise ValueError(
-            f"kv_cache page size {kv_cache.shape[1]} != batch.page_size {batch.page_size}"
-        )
+    check_step(q_lat, q_pe, kv_cache, batch, q_lat.shape[-1] + q_pe.shape[-1], kv_scale)
     return get_impl(q_lat.device, impl).absorbed_attention(
         q_lat, q_pe, kv_cache, batch, softmax_scale, kv_scale
     )
@@ -113,11 +90,18 @@ class MLAAttention:
         policy: Policy | None = None,
         impl: str | None = None,
     ) -> None:
-        if weights.W_UK.shape != (dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank):
-            raise ValueError(
-                f"W_UK shape {tuple(weights.W_UK.shape)} does not match dims "
-                f"[H, nope, r] = [{dims.num_heads}, {dims.qk_nope_head_dim}, {dims.kv_lora_rank}]"
-            )
+        H, nope, r, v = (dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank, dims.v_head_dim)
+        expected = {
+            "W_UK": (weights.W_UK, (H, nope, r)),
+            "W_UV": (weights.W_UV, (H, r, v)),
+            "kv_b": (weights.kv_b, (H * (nope + v), r)),
+        }
+        for name, (t, shape) in expected.items():
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{name} shape {tuple(t.shape)} does not match dims: expected {list(shape)} "
+                    f"for H={H}, nope={nope}, r={r}, v={v}"
+                )
         self.dims = dims
         self.weights = weights
         self.softmax_scale = (
@@ -151,7 +135,6 @@ class MLAAttention:
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Normal path: decompress + causal MHA -> [T, H, v]."""
-        check_cache(kv_cache, self.dims.latent_dim, kv_scale)
         o, _ = normal_attention(
             q_nope, q_pe, kv_cache, batch, self.weights, self.softmax_scale, kv_scale
         )
@@ -165,7 +148,24 @@ class MLAAttention:
         batch: MLABatch,
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q_nope [T, H, nope], q_pe [T, H, rope] -> o [T, H, v] in q_nope's dtype."""
+        """q_nope [T, H, nope], q_pe [T, H, rope] -> o [T, H, v] in q_nope's dtype.
+
+        Inference only: runs without autograd."""
+        if q_pe.shape[-1] != self.dims.qk_rope_head_dim:
+            raise ValueError(
+                f"q_pe width {q_pe.shape[-1]} != qk_rope_head_dim {self.dims.qk_rope_head_dim}"
+            )
+        with torch.no_grad():
+            return self._forward(q_nope, q_pe, kv_cache, batch, kv_scale)
+
+    def _forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: MLABatch,
+        kv_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
         choice = self.policy.choose(batch, self.dims, q_nope.device.type)
         self.last_choice = choice
         mode = choice.batch_mode

@@ -33,10 +33,17 @@ class Phase(enum.Enum):
 
 def _as_int_list(x: Sequence[int] | torch.Tensor, name: str) -> list[int]:
     if isinstance(x, torch.Tensor):
-        if x.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor, got {x.dtype} of shape {tuple(x.shape)}"
+            )
         return [int(v) for v in x.tolist()]
-    return [int(v) for v in x]
+    out = []
+    for v in x:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} holds {v!r} ({type(v).__name__}); lengths are ints")
+        out.append(v)
+    return out
 
 
 @dataclass
@@ -101,6 +108,8 @@ class MLABatch:
                 )
         if phase is Phase.DECODE and any(v != 1 for v in n):
             raise ValueError(f"a DECODE batch has exactly 1 new token per request, got {n}")
+        if phase is Phase.IDLE and any(n):
+            raise ValueError(f"an IDLE batch has no new tokens, got {n}")
         cu = [0]
         for v in n:
             cu.append(cu[-1] + v)
@@ -145,6 +154,24 @@ class MLABatch:
         for i in indices:
             out.extend(range(self.cu_new[i], self.cu_new[i + 1]))
         return out
+
+    def check_pages(self, num_pages: int) -> None:
+        """Raise unless every page a request uses is a valid index into a cache of
+        ``num_pages`` pages (checked once per cache size; columns past a request's pages may
+        hold anything)."""
+        key = ("pages_ok", num_pages)
+        if key in self._device_cache or self.num_reqs == 0:
+            return
+        need = torch.tensor([-(-L // self.page_size) for L in self.kv_lens])
+        table = self.block_table[: self.num_reqs].cpu()
+        used = table[torch.arange(table.shape[1])[None, :] < need[:, None]]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+            bad = used[(used < 0) | (used >= num_pages)][0]
+            raise ValueError(
+                f"block_table holds page id {int(bad)} for a used page, but the cache has "
+                f"{num_pages} pages (valid ids 0..{num_pages - 1})"
+            )
+        self._device_cache[key] = True
 
     def device_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
         """int32 device tensors for kernels (cached): prefix_lens, new_lens, cu_new, kv_lens."""

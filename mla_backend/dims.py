@@ -119,6 +119,14 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+def yarn_factor(rope_scaling: Mapping[str, Any]) -> float:
+    """The yarn scaling ``factor`` (required; > 0)."""
+    factor = rope_scaling.get("factor")
+    if factor is None or float(factor) <= 0:
+        raise ValueError(f"yarn rope_scaling needs a positive 'factor', got {factor!r}")
+    return float(factor)
+
+
 def yarn_softmax_scale(dims: MLADims, rope_scaling: Mapping[str, Any] | None) -> float:
     """Softmax scale 1/sqrt(nope + rope), times yarn mscale(factor, mscale_all_dim)^2 if set."""
     scale = dims.default_softmax_scale
@@ -130,7 +138,7 @@ def yarn_softmax_scale(dims: MLADims, rope_scaling: Mapping[str, Any] | None) ->
             )
         if kind in ("yarn", "deepseek_yarn"):
             m = yarn_mscale(
-                float(rope_scaling.get("factor", 1.0)),
+                yarn_factor(rope_scaling),
                 float(rope_scaling.get("mscale_all_dim", 0.0) or 0.0),
             )
             scale *= m * m

@@ -37,8 +37,17 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (x.float() * scale).to(dtype)
 
 
-def _scaled_mm_supported(device: torch.device) -> bool:
-    return hasattr(torch, "_scaled_mm") and device.type in ("cpu", "cuda")
+def scaled_mm_supported(device: torch.device, k: int, n: int) -> bool:
+    """Whether ``torch._scaled_mm`` serves an fp8 [M, K] x [K, N] product on ``device``:
+    CPU, or a CUDA GPU with native fp8 (compute capability >= 8.9) and K, N multiples of 16
+    (its alignment rule). ROCm and older GPUs take the exact dequantize fallback."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
 
 
 def fp8_bmm(
@@ -64,10 +73,10 @@ def fp8_bmm(
     if b_fp8.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_bmm weight dtype {b_fp8.dtype} is not supported; need {FP8_DTYPE}")
     a_q, a_scale = quantize_fp8(a, per_token=per_token)  # a_scale [H, M, 1] or []
-    if use_scaled_mm is None:
-        use_scaled_mm = _scaled_mm_supported(a.device)
-    H, M, _ = a.shape
+    H, M, K = a.shape
     N = b_fp8.shape[-1]
+    if use_scaled_mm is None:
+        use_scaled_mm = scaled_mm_supported(a.device, K, N)
     if not use_scaled_mm:
         return torch.bmm(a_q.float() * a_scale, b_fp8.float() * b_scale).to(out_dtype)
     out = torch.empty(H, M, N, dtype=out_dtype, device=a.device)

@@ -75,16 +75,21 @@ class MLALayer(nn.Module):
         self.rope = DeepseekRope(dims.qk_rope_head_dim, rope_theta, rope_scaling)
         self.softmax_scale = yarn_softmax_scale(dims, rope_scaling)
         self._attn: MLAAttention | None = None
+        self._attn_key: tuple | None = None
 
     def absorb_weights(self) -> AbsorbWeights:
         return split_kv_b_proj(self.kv_b_proj.weight.detach(), self.dims)
 
     def attention(self) -> MLAAttention:
-        """The layer's attention core (built once from the current ``kv_b_proj`` weight)."""
-        if self._attn is None:
+        """The layer's attention core, rebuilt whenever ``kv_b_proj.weight`` changed (loaded,
+        modified in place, or moved to another dtype/device)."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._attn is None or self._attn_key != key:
             self._attn = MLAAttention(
                 self.dims, self.absorb_weights(), self.softmax_scale, self.policy
             )
+            self._attn_key = key
         return self._attn
 
     def project(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import MLABatch
+from .checks import check_step
 from .merge import merge_attention_states
 from .ops.torch_ops import gather_latent
 from .weights import AbsorbWeights
@@ -101,9 +102,15 @@ def normal_attention(
     Returns:
         (o [T, H, v] in q_nope's dtype, lse [T, H] float32).
     """
-    T, H, nope = q_nope.shape
+    H, r, v_dim = weights.W_UV.shape
+    check_step(q_nope, q_pe, kv_cache, batch, r + q_pe.shape[-1], kv_scale)
+    T, _, nope = q_nope.shape
+    if q_nope.shape[1:] != (H, weights.W_UK.shape[1]):
+        raise ValueError(
+            f"q_nope shape {tuple(q_nope.shape)} does not match the weights' "
+            f"[T, H={H}, nope={weights.W_UK.shape[1]}]"
+        )
     cd = q_nope.dtype
-    v_dim = weights.W_UV.shape[-1]
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     o_out = torch.empty(T, H, v_dim, dtype=cd, device=q_nope.device)

@@ -140,10 +140,20 @@ class Policy:
         chunked_prefix_threshold: int = 8192,
         profile: DeviceProfile | None = None,
     ) -> None:
+        if not isinstance(mode, str) or mode.strip().lower() not in MODES:
+            raise ValueError(
+                f"MLA policy mode {mode!r} is not supported; supported: {', '.join(MODES)}"
+            )
         mode = mode.strip().lower()
         if mode not in MODES:
             raise ValueError(
                 f"MLA policy mode {mode!r} is not supported; supported: {', '.join(MODES)}"
+            )
+        if isinstance(chunked_prefix_threshold, bool) or not isinstance(
+            chunked_prefix_threshold, int
+        ):
+            raise ValueError(
+                f"chunked_prefix_threshold={chunked_prefix_threshold!r} must be an int (tokens)"
             )
         if chunked_prefix_threshold < 0:
             raise ValueError(f"chunked_prefix_threshold={chunked_prefix_threshold} must be >= 0")

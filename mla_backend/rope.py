@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .dims import yarn_mscale
+from .dims import yarn_factor, yarn_mscale
 
 
 def _yarn_correction_dim(num_rot: float, dim: int, base: float, max_pos: int) -> float:
@@ -32,7 +32,7 @@ def rope_inv_freq(
         return inv_freq, 1.0
     if kind not in ("yarn", "deepseek_yarn"):
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: 'yarn'")
-    factor = float(rope_scaling["factor"])
+    factor = yarn_factor(rope_scaling)
     orig = int(rope_scaling.get("original_max_position_embeddings", 4096))
     beta_fast = float(rope_scaling.get("beta_fast", 32))
     beta_slow = float(rope_scaling.get("beta_slow", 1))

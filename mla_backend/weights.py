@@ -41,10 +41,14 @@ class AbsorbWeights:
 
 
 def _expand_block_scale(
-    scale: torch.Tensor, shape: tuple[int, int], weight_name: str
+    scale: torch.Tensor,
+    shape: tuple[int, int],
+    weight_name: str,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """A weight scale ([] / [1] per tensor, [rows] / [rows, 1] per channel, or a 2-D block grid)
-    expanded to ``shape`` [rows, cols] float32."""
+    """A weight scale ([] / [1] per tensor, [rows] / [rows, 1] per channel, or a 2-D grid of
+    ``block``-sized blocks, DeepSeek-V3's 128 x 128 by default) expanded to ``shape``
+    [rows, cols] float32."""
     rows, cols = shape
     s = scale.float()
     if s.numel() == 1:
@@ -52,13 +56,13 @@ def _expand_block_scale(
     if s.dim() == 1 and s.numel() == rows or s.dim() == 2 and s.shape == (rows, 1):
         return s.reshape(rows, 1).expand(rows, cols)
     if s.dim() == 2:
-        br = -(-rows // s.shape[0])
-        bc = -(-cols // s.shape[1])
-        if -(-rows // br) == s.shape[0] and -(-cols // bc) == s.shape[1]:
+        br, bc = block or (128, 128)
+        if (-(-rows // br), -(-cols // bc)) == tuple(s.shape):
             return s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     raise ValueError(
         f"{weight_name} scale of shape {tuple(scale.shape)} is not supported for a weight of "
-        f"shape {shape}: use a per-tensor, per-output-channel or 2-D block scale"
+        f"shape {shape} with blocks {block or (128, 128)}: use a per-tensor or "
+        "per-output-channel scale, or a 2-D block scale with its weight_block_size"
     )
 
 
@@ -68,6 +72,7 @@ def split_kv_b_proj(
     weight_scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
     keep_fp8: bool = False,
+    weight_block_size: tuple[int, int] | None = None,
 ) -> AbsorbWeights:
     """Split ``kv_b_proj.weight`` into ``W_UK`` [H, nope, r] and ``W_UV`` [H, r, v].
 
@@ -78,6 +83,8 @@ def split_kv_b_proj(
         dtype: compute dtype of the result; defaults to the weight's (bf16 for fp8 weights).
         keep_fp8: keep ``W_UK``/``W_UV`` in float8_e4m3fn with per-head scales for the fp8
             bmm branch (the weight must then be fp8, or it is quantized per head here).
+        weight_block_size: (rows, cols) of a 2-D block scale (the checkpoint's
+            ``quantization_config.weight_block_size``); default 128 x 128.
     """
     H, nope, v, r = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
     expected = (H * (nope + v), r)
@@ -89,7 +96,9 @@ def split_kv_b_proj(
     if weight.dtype == FP8_DTYPE:
         if weight_scale is None:
             raise ValueError("kv_b_proj weight is float8_e4m3fn but no weight_scale was given")
-        full = weight.float() * _expand_block_scale(weight_scale, expected, "kv_b_proj")
+        full = weight.float() * _expand_block_scale(
+            weight_scale, expected, "kv_b_proj", weight_block_size
+        )
         out_dtype = dtype or torch.bfloat16
     elif weight.dtype in _FLOAT_DTYPES:
         if weight_scale is not None:

@@ -198,8 +198,9 @@ def test_decode_paths_match_oracle(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_absorbed_many_kv_splits_with_causal_extends(dtype: torch.dtype,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_absorbed_many_kv_splits_with_causal_extends(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tiny splits and query blocks force LSE merging across many KV splits, including
     splits that lie entirely past some new tokens' causal limit (none of their keys)."""
     from mla_backend.ops import torch_ops
@@ -209,11 +210,16 @@ def test_absorbed_many_kv_splits_with_causal_extends(dtype: torch.dtype,
     monkeypatch.setattr(torch_ops, "_MAX_QUERY_ROWS", 21)  # blocks of 7 new tokens (H=3)
     case = make_case(DIMS["odd"], [0, 37, 5], [60, 25, 1], 8, dtype=dtype, seed=5)
     q_lat = mb.absorb_q(case.q_nope, case.weights)
-    _, lse_ref = mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, case.batch,
-                                     case.weights, 0.2)
+    _, lse_ref = mb.normal_attention(
+        case.q_nope, case.q_pe, case.kv_cache, case.batch, case.weights, 0.2
+    )
     o_lat, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.batch, 0.2)
     assert torch.isfinite(o_lat).all()
-    torch.testing.assert_close(lse, lse_ref, atol=5e-2 if dtype == torch.bfloat16 else 1e-4,
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+    torch.testing.assert_close(
+        lse,
+        lse_ref,
+        atol=5e-2 if dtype == torch.bfloat16 else 1e-4,
+        rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+    )
     out = mb.apply_W_UV(o_lat, case.weights)
     assert_close_to_oracle(out, case.oracle(0.2), dtype)

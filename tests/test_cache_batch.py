@@ -102,3 +102,80 @@ def test_attention_rejects_bad_inputs() -> None:
 def test_batch_positions() -> None:
     b = mb.MLABatch.build([0, 5, 2], [2, 1, 3], torch.zeros(3, 4, dtype=torch.int32), 4)
     assert b.positions().tolist() == [0, 1, 5, 2, 3, 4]
+
+
+def _small_case():
+    from conftest import DIMS, make_case
+
+    return make_case(DIMS["tiny"], [5, 2], [3, 1], 4)
+
+
+def test_out_of_range_page_ids_rejected_on_both_paths() -> None:
+    case = _small_case()
+    num_pages = case.kv_cache.shape[0]
+    q_lat = mb.absorb_q(case.q_nope, case.weights)
+    for bad in (num_pages, -1):
+        bt = case.batch.block_table.clone()
+        bt[0, 1] = bad  # a page request 0 uses (8 tokens at page size 4)
+        b = mb.MLABatch.build(case.batch.prefix_lens, case.batch.new_lens, bt, 4)
+        with pytest.raises(ValueError, match=f"page id {bad} .* {num_pages} pages"):
+            mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, b, 1.0)
+        b = mb.MLABatch.build(case.batch.prefix_lens, case.batch.new_lens, bt, 4)
+        with pytest.raises(ValueError, match=f"page id {bad}"):
+            mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, b, case.weights, 1.0)
+
+
+def test_normal_path_rejects_mismatched_inputs() -> None:
+    case = _small_case()
+    w, b = case.weights, case.batch
+    with pytest.raises(ValueError, match="does not match the weights"):
+        mb.normal_attention(case.q_nope[:, :1], case.q_pe[:, :1], case.kv_cache, b, w, 1.0)
+    with pytest.raises(ValueError, match="5 tokens but the batch describes 4"):
+        mb.normal_attention(
+            torch.cat([case.q_nope, case.q_nope[:1]]),
+            torch.cat([case.q_pe, case.q_pe[:1]]),
+            case.kv_cache,
+            b,
+            w,
+            1.0,
+        )
+    with pytest.raises(ValueError, match="float64"):
+        mb.normal_attention(case.q_nope.double(), case.q_pe.double(), case.kv_cache, b, w, 1.0)
+    with pytest.raises(ValueError, match="page size 4 != batch.page_size 8"):
+        mb.normal_attention(
+            case.q_nope,
+            case.q_pe,
+            case.kv_cache,
+            mb.MLABatch.build(b.prefix_lens, b.new_lens, b.block_table, 8),
+            w,
+            1.0,
+        )
+
+
+def test_more_bad_inputs_name_the_value() -> None:
+    cache = torch.zeros(2, 4, 10, dtype=mb.FP8_DTYPE)
+    with pytest.raises(ValueError, match=r"kv_scale of shape \(4,\)"):
+        mb.write_latent(
+            cache,
+            torch.zeros(1, 8),
+            torch.zeros(1, 2),
+            torch.zeros(1, dtype=torch.long),
+            torch.ones(4),
+        )
+    with pytest.raises(ValueError, match="float32"):
+        mb.write_latent(torch.zeros(2, 4, 10), torch.zeros(1, 8), torch.zeros(1, 2), torch.zeros(1))
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="1.5"):
+        mb.MLABatch.build([1.5], [1], bt, 4)
+    with pytest.raises(ValueError, match="IDLE"):
+        mb.MLABatch.build([0], [1], bt, 4, mb.Phase.IDLE)
+    with pytest.raises(ValueError, match="None"):
+        mb.Policy(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'8k'"):
+        mb.Policy("cost", chunked_prefix_threshold="8k")  # type: ignore[arg-type]
+    d = mb.MLADims(2, 8, 4, 2, 4)
+    w = mb.split_kv_b_proj(torch.zeros(16, 8), d)
+    with pytest.raises(ValueError, match="W_UV shape"):
+        mb.MLAAttention(mb.MLADims(2, 8, 4, 2, 6), mb.AbsorbWeights(w.W_UK, w.W_UV, w.kv_b))
+    with pytest.raises(ValueError, match="'factor'"):
+        mb.yarn_softmax_scale(d, {"type": "yarn"})

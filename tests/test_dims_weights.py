@@ -116,3 +116,21 @@ def test_bad_weights_name_the_value() -> None:
         mb.split_kv_b_proj(torch.zeros(16, 8).to(mb.FP8_DTYPE), d)
     with pytest.raises(ValueError, match=r"scale of shape \(3,\)"):
         mb.split_kv_b_proj(torch.zeros(16, 8).to(mb.FP8_DTYPE), d, weight_scale=torch.ones(3))
+    with pytest.raises(ValueError, match=r"scale of shape \(2, 2\)"):  # 16 rows: 1 block of 128
+        mb.split_kv_b_proj(torch.zeros(16, 8).to(mb.FP8_DTYPE), d, weight_scale=torch.ones(2, 2))
+
+
+def test_fp8_block_scale_with_partial_blocks() -> None:
+    """300 rows in 128-row blocks: the last block is partial (rows 256..299); every row must
+    get its own block's scale (a block size inferred by division would shift them)."""
+    d = mb.MLADims(3, 64, 50, 0, 50)
+    w = torch.randn(300, 64)
+    blocks = torch.tensor([[1.0], [2.0], [4.0]]) / 448  # [ceil(300/128), ceil(64/128)]
+    row_scale = torch.cat([blocks[0].expand(128), blocks[1].expand(128), blocks[2].expand(44)])
+    q = (w / row_scale[:, None]).clamp(-448, 448).to(mb.FP8_DTYPE)
+    s = mb.split_kv_b_proj(q, d, weight_scale=blocks, dtype=torch.float32)
+    torch.testing.assert_close(s.kv_b, q.float() * row_scale[:, None])
+    s2 = mb.split_kv_b_proj(
+        q, d, weight_scale=torch.ones(10, 1), dtype=torch.float32, weight_block_size=(30, 64)
+    )
+    torch.testing.assert_close(s2.kv_b, q.float())

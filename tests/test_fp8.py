@@ -40,3 +40,24 @@ def test_fp8_absorbed_layer_close_to_bf16() -> None:
 def test_fp8_bmm_rejects_non_fp8_weight() -> None:
     with pytest.raises(ValueError, match="float32"):
         mb.fp8_bmm(torch.randn(1, 2, 3), torch.randn(1, 3, 4), torch.ones(()))
+
+
+def test_scaled_mm_branch_is_taken_and_matches_dequantized(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(3, 5, 32, generator=g).to(torch.bfloat16)
+    w = torch.randn(3, 32, 16, generator=g)
+    w_fp8, w_scale = mb.quantize_fp8(w)
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    got = mb.fp8_bmm(a, w_fp8, w_scale)  # auto: CPU supports _scaled_mm
+    assert len(calls) == 3  # one scaled matmul per head
+    a_q, a_scale = mb.quantize_fp8(a, per_token=True)
+    ref = torch.bmm(a_q.double() * a_scale.double(), w_fp8.double() * w_scale.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 5, 16)
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)

@@ -158,3 +158,30 @@ def test_rope_preserves_norm_and_relative_positions() -> None:
         ).sum()
 
     torch.testing.assert_close(dot(5, 2), dot(13, 10))
+
+
+def test_layer_follows_weight_changes_and_runs_with_autograd_on() -> None:
+    dims = LAYER_DIMS[1]
+    layer = make_layer(dims, "A_CC_ME", "absorb")
+    hidden = torch.randn(5, dims.hidden_size)
+    batch = mb.MLABatch.build([0], [5], torch.tensor([[1, 2]], dtype=torch.int32), 4)
+
+    def run() -> torch.Tensor:
+        kv = torch.zeros(3, 4, dims.latent_dim)
+        return layer(hidden, batch, kv, torch.arange(4, 9))  # no torch.no_grad() here
+
+    before = run()
+    with torch.no_grad():
+        layer.kv_b_proj.weight.mul_(3.0)
+    after = run()
+    ref = mb.reference.reference_mla_layer(
+        ref_weights(layer),
+        hidden,
+        dims.num_heads,
+        dims.kv_lora_rank,
+        dims.qk_nope_head_dim,
+        dims.qk_rope_head_dim,
+        dims.v_head_dim,
+    )
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after.detach(), ref, atol=2e-4, rtol=2e-4)

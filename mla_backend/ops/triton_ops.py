@@ -7,8 +7,9 @@ tests use to force a split count or tile size:
 - :func:`write_latent`: one program per new token scatters ``[c_kv ; k_pe]`` into its slot.
 - :func:`absorbed_attention`: grouped-head paged attention over the latent cache (decode and
   extend onto a prefix, ragged batches), split-KV partials merged by LSE in a second kernel.
-- :func:`fp8_bmm`: the fp8 absorption bmm through ``torch._scaled_mm`` (a thin wrapper over
-  :func:`mla_backend.fp8.fp8_bmm`).
+
+The fp8 absorption bmm is :func:`mla_backend.fp8.fp8_bmm` on every device (``torch._scaled_mm``
+where the device supports it).
 
 The kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how this project
 verifies them (no GPU here). The interpreter cannot ``tl.dot`` bfloat16 operands (it multiplies
@@ -326,23 +327,3 @@ def absorbed_attention(
             num_warps=4,
         )
     return o_lat, lse
-
-
-def fp8_bmm(
-    a: torch.Tensor,
-    b_fp8: torch.Tensor,
-    b_scale: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    per_token: bool = True,
-) -> torch.Tensor:
-    """fp8 absorption bmm on the GPU path: always through ``torch._scaled_mm``.
-
-    Args:
-        a: [H, M, K] bf16/fp16/fp32 activation (quantized to e4m3 on the fly).
-        b_fp8: [H, K, N] float8_e4m3fn weight; b_scale: float32 [] or [H, 1, 1].
-        out_dtype: output dtype.
-        per_token: one activation scale per row (else per tensor).
-    Returns:
-        [H, M, N] out_dtype.
-    """
-    return _fp8.fp8_bmm(a, b_fp8, b_scale, out_dtype, per_token=per_token, use_scaled_mm=True)
