@@ -13,7 +13,7 @@ import torch
 from .batch import MLABatch
 from .checks import check_cache, check_step
 from .dims import MLADims
-from .normal import normal_attention
+from .normal import DEFAULT_CHUNK_TOKENS, normal_attention
 from .ops import get_impl
 from .policy import PathChoice, Policy
 from .weights import AbsorbWeights, absorb_q, apply_W_UV
@@ -79,7 +79,8 @@ class MLAAttention:
 
     ``attn(q_nope, q_pe, kv_cache, batch)`` returns ``[T, H, v]`` (before ``o_proj``). The
     new tokens' latents must already be in ``kv_cache`` (:func:`write_latent`).
-    ``last_choice`` holds the most recent :class:`~mla_backend.policy.PathChoice`.
+    ``last_choice`` holds the most recent :class:`~mla_backend.policy.PathChoice`;
+    ``chunk_tokens`` bounds how many cached-prefix tokens the normal path decompresses at once.
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class MLAAttention:
         softmax_scale: float | None = None,
         policy: Policy | None = None,
         impl: str | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         H, nope, r, v = (dims.num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank, dims.v_head_dim)
         expected = {
@@ -109,6 +111,9 @@ class MLAAttention:
         )
         self.policy = policy if policy is not None else Policy.from_env()
         self.impl = impl
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens!r} must be an int >= 1")
+        self.chunk_tokens = chunk_tokens
         self.last_choice: PathChoice | None = None
 
     def absorbed(
@@ -136,7 +141,14 @@ class MLAAttention:
     ) -> torch.Tensor:
         """Normal path: decompress + causal MHA -> [T, H, v]."""
         o, _ = normal_attention(
-            q_nope, q_pe, kv_cache, batch, self.weights, self.softmax_scale, kv_scale
+            q_nope,
+            q_pe,
+            kv_cache,
+            batch,
+            self.weights,
+            self.softmax_scale,
+            kv_scale,
+            chunk_tokens=self.chunk_tokens,
         )
         return o
 

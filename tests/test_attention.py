@@ -223,3 +223,12 @@ def test_absorbed_many_kv_splits_with_causal_extends(
     )
     out = mb.apply_W_UV(o_lat, case.weights)
     assert_close_to_oracle(out, case.oracle(0.2), dtype)
+
+
+def test_mla_attention_chunk_tokens_setting() -> None:
+    case = make_case(DIMS["odd"], [50, 9], [4, 3], 8)
+    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy("normal"), chunk_tokens=5)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
+    assert_close_to_oracle(out, case.oracle(), torch.float32)
+    with pytest.raises(ValueError, match="chunk_tokens=0"):
+        mb.MLAAttention(case.dims, case.weights, chunk_tokens=0)
