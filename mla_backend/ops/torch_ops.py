@@ -30,7 +30,7 @@ _MAX_QUERY_ROWS = 4096
 # attention of H query rows against the latent rows (value = the same rows, whose first r
 # output columns are kept): one fused pass instead of matmul + softmax ops, which wins where
 # decode is bandwidth- and overhead-bound (few heads). Larger H keeps the GEMM path.
-FLASH_DECODE_MAX_HEADS = 64
+FLASH_DECODE_MAX_HEADS = 32
 _FLASH_SPLIT_TOKENS = 16384
 _FLASH_MIN_PART_TOKENS = 256
 _MAX_SPLIT_TOKENS = 8192
@@ -92,8 +92,9 @@ def gather_latent(
     ps, D = kv_cache.shape[1], kv_cache.shape[2]
     p0, p1 = start // ps, (end - 1) // ps + 1
     pages = block_row[p0:p1]
-    first = int(pages[0])
-    if p1 - p0 == 1 or bool((pages[1:] - pages[:-1] == 1).all()):
+    ids = pages.tolist()  # host list: cheaper than tensor ops for a handful of page ids
+    first = ids[0]
+    if ids[-1] - first == len(ids) - 1 and ids == list(range(first, first + len(ids))):
         rows = kv_cache[first : first + (p1 - p0)].reshape(-1, D)
     elif out is not None:
         dst = out[: (p1 - p0) * ps * D].view(p1 - p0, ps * D)
@@ -142,6 +143,31 @@ def _decode_groups(batch: MLABatch, heads: int) -> tuple[list[list[int]], list[i
     return groups, rest
 
 
+def _gather_group(
+    kv_cache: torch.Tensor, batch: MLABatch, reqs: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent rows of single-token requests ``reqs`` in one gather, padded to the longest:
+    kv [G, Lmax, D] in ``dtype`` (a copy; rows past each request's length zeroed, since
+    never-written cache memory may hold NaN/Inf, e.g. fp8 0x7F, and 0 * NaN would poison
+    P·V) and pad [G, Lmax] bool."""
+    dev = kv_cache.device
+    ps, D = kv_cache.shape[1], kv_cache.shape[2]
+    lens_list = [batch.kv_lens[i] for i in reqs]
+    lens = torch.tensor(lens_list, device=dev)
+    npg = -(-max(lens_list) // ps)
+    table = batch.block_table.index_select(0, torch.tensor(reqs, device=dev))[:, :npg]
+    valid = torch.arange(npg, device=dev)[None, :] * ps < lens[:, None]
+    table = torch.where(valid, table, table[:, :1])  # padding columns may hold anything
+    flat = kv_cache.view(kv_cache.shape[0], ps * D)
+    kv = flat.index_select(0, table.reshape(-1)).view(len(reqs), npg * ps, D)
+    if kv.dtype != dtype:
+        kv = kv.to(dtype)
+    for g, L in enumerate(lens_list):
+        kv[g, L:].zero_()
+    pad = torch.arange(npg * ps, device=dev)[None, :] >= lens[:, None]
+    return kv, pad
+
+
 def _decode_group(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -152,40 +178,51 @@ def _decode_group(
     o_lat: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """One batched pass for single-token requests ``reqs``: gather their pages (padded to the
-    longest), then bmm / masked softmax / bmm for all of them at once."""
-    dev, cd = q.device, q.dtype
-    ps, D = kv_cache.shape[1], kv_cache.shape[2]
+    """Single-token requests ``reqs`` in one batched pass: one gather, then bmm / masked
+    softmax / bmm for all of them at once (the GEMM path for many heads)."""
     r = o_lat.shape[-1]
-    G = len(reqs)
-    lens = torch.tensor([batch.kv_lens[i] for i in reqs], device=dev)
-    npg = -(-max(batch.kv_lens[i] for i in reqs) // ps)
-    idx = torch.tensor(reqs, device=dev)
-    table = batch.block_table.index_select(0, idx)[:, :npg]
-    valid = torch.arange(npg, device=dev)[None, :] * ps < lens[:, None]
-    table = torch.where(valid, table, table[:, :1])  # padding columns may hold anything
-    flat = kv_cache.view(kv_cache.shape[0], ps * D)
-    kv = flat.index_select(0, table.reshape(-1)).view(G, npg * ps, D)
-    if kv.dtype != cd:
-        kv = kv.to(cd)
-    rows = torch.tensor([batch.cu_new[i] for i in reqs], device=dev)
+    kv, pad = _gather_group(kv_cache, batch, reqs, q.dtype)
+    rows = torch.tensor([batch.cu_new[i] for i in reqs], device=q.device)
     qg = q.index_select(0, rows)  # [G, H, D]
-    pad = torch.arange(npg * ps, device=dev)[None, :] >= lens[:, None]  # [G, Lmax]
-    # rows past a request's length are never-written cache memory (may hold NaN/Inf, e.g.
-    # fp8 0x7F): zero them in the gathered copy, since 0 * NaN would poison P·V
-    for g, i in enumerate(reqs):
-        kv[g, batch.kv_lens[i] :].zero_()
     scores = torch.bmm(kv, qg.transpose(1, 2)).float().mul_(score_scale)  # [G, Lmax, H]
     scores.masked_fill_(pad[:, :, None], float("-inf"))
     m = scores.amax(dim=1, keepdim=True)  # [G, 1, H]
     p = torch.exp_(scores.sub_(m))
     l = p.sum(dim=1, keepdim=True)
     m, l = m.transpose(1, 2), l.transpose(1, 2)  # [G, H, 1]
-    o = torch.bmm(p.to(cd).transpose(1, 2), kv[:, :, :r]).float().div_(l)  # [G, H, r]
+    o = torch.bmm(p.to(q.dtype).transpose(1, 2), kv[:, :, :r]).float().div_(l)  # [G, H, r]
     if kv_mult != 1.0:
         o.mul_(kv_mult)
-    o_lat[rows] = o.to(cd)
+    o_lat[rows] = o.to(q.dtype)
     lse[rows] = (m + torch.log(l)).squeeze(-1)
+
+
+def _decode_group_flash(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: MLABatch,
+    reqs: list[int],
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,
+    o_lat: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Single-token requests ``reqs`` in one fused CPU flash call (the few-heads path): one
+    gather, the requests as the batch dimension, padding masked out."""
+    r = o_lat.shape[-1]
+    kv, pad = _gather_group(kv_cache, batch, reqs, q.dtype)
+    if kv_scale is not None:
+        kv.mul_(kv_scale.to(kv.dtype))
+    rows = torch.tensor([batch.cu_new[i] for i in reqs], device=q.device)
+    G, Lmax, D = kv.shape
+    qg = q.index_select(0, rows).unsqueeze(1)  # [G, 1, H, D]
+    mask = torch.zeros(G, 1, 1, Lmax, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(pad[:, None, None, :], float("-inf"))
+    o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg, kv.unsqueeze(1), kv.unsqueeze(1), 0.0, False, attn_mask=mask, scale=softmax_scale
+    )[:2]
+    o_lat[rows] = o[:, 0, :, :r]
+    lse[rows] = l[:, 0]
 
 
 def _flash(q: torch.Tensor, kv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,11 +374,12 @@ def absorbed_attention(
     kv_mult = float(kv_scale) if kv_scale is not None else 1.0
     score_scale = softmax_scale * kv_mult
     ps = kv_cache.shape[1]
+    groups, rest = _decode_groups(batch, H)
     if dev.type == "cpu" and H <= FLASH_DECODE_MAX_HEADS:
+        for g in groups:
+            _decode_group_flash(q, kv_cache, batch, g, softmax_scale, kv_scale, o_lat, lse)
         flash_buf = None
-        for i in range(batch.num_reqs):
-            if batch.new_lens[i] != 1:
-                continue
+        for i in [i for i in rest if batch.new_lens[i] == 1]:
             if flash_buf is None:
                 pages = -(-min(_FLASH_SPLIT_TOKENS, batch.max_kv_len) // ps) + 1
                 flash_buf = torch.empty(pages * ps * D, dtype=kv_cache.dtype, device=dev)
@@ -351,11 +389,10 @@ def absorbed_attention(
             )
             o_lat[t0 : t0 + 1] = o[..., :r]
             lse[t0 : t0 + 1] = l
-        groups, rest = [], [i for i in range(batch.num_reqs) if batch.new_lens[i] > 1]
+        rest = [i for i in rest if batch.new_lens[i] > 1]
     else:
-        groups, rest = _decode_groups(batch, H)
-    for g in groups:
-        _decode_group(q, kv_cache, batch, g, score_scale, kv_mult, o_lat, lse)
+        for g in groups:
+            _decode_group(q, kv_cache, batch, g, score_scale, kv_mult, o_lat, lse)
     if not rest:
         return o_lat, lse
     # Extends are processed in blocks of new tokens (bounded rows per score tile); a block
