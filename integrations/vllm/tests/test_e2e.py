@@ -190,3 +190,26 @@ def test_ngram_speculative_decoding_matches_transformers(model_dirs, hf_oracles)
     finally:
         shutdown(llm)
     _check_exact(hf_oracles["odd"], prompts, outs, 16)
+
+
+# ---------------------------------------------------------------------------------------
+# Negative control for the RoPE workaround: vLLM's in-tree CPU_MLA in eager mode (custom ops
+# on, so the CPU rotary_embedding op runs) disagrees with transformers; MLA_ABSORB in the
+# same mode (the tests above, enforce_eager=True) agrees because the plugin forces native RoPE.
+# ---------------------------------------------------------------------------------------
+def test_in_tree_cpu_mla_eager_is_wrong_without_native_rope(model_dirs, hf_oracles) -> None:
+    llm = make_llm(model_dirs["lite"], attention_backend="CPU_MLA", enable_prefix_caching=False)
+    try:
+        cfg = llm.llm_engine.vllm_config
+        assert cfg.attention_config.backend.name == "CPU_MLA"
+        assert "-rotary_embedding" not in cfg.compilation_config.custom_ops
+        prompts = _prompts(9, [30, 60])
+        outs = _generate(llm, prompts, 8)
+    finally:
+        shutdown(llm)
+    oracle = hf_oracles["lite"]
+    mismatches = [
+        list(o.outputs[0].token_ids) != oracle.greedy(p, 8)
+        for p, o in zip(prompts, outs, strict=True)
+    ]
+    assert any(mismatches), "CPU_MLA matched transformers: has vLLM fixed its CPU RoPE op?"
