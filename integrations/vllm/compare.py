@@ -2,7 +2,8 @@
 KV-cache bytes per token; used by the demo (examples/vllm_demo.py) and the benchmark
 (benchmarks/vllm_bench.py).
 
-Each backend runs in its own fresh process (``python -m mla_backend_integrations.vllm.compare
+Every timed iteration uses prompts no earlier run has seen (no prefix-cache hits). Each
+backend runs in its own fresh process (``python -m mla_backend_integrations.vllm.compare
 SPEC.json``) so only one engine is alive at a time and every backend starts from the same
 state. The child prints one JSON line prefixed with ``RESULT:``.
 """
@@ -73,23 +74,34 @@ def _child(spec: RunSpec) -> dict[str, Any]:
     vocab = llm.llm_engine.model_config.get_vocab_size()
     for w in spec.workloads:
         sp = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
-        if w.texts is not None:
-            prompts: list[Any] = list(w.texts)
-        else:
-            g = torch.Generator().manual_seed(w.seed)
-            prompts = [
+
+        def make_prompts(k: int, w: Workload = w) -> list[Any]:
+            # k = 0: the measured prompts; k > 0: different prompts for warm-up and for each
+            # further timed iteration, so no timed run is served from the prefix cache
+            if w.texts is not None:
+                return (
+                    list(w.texts)
+                    if k == 0
+                    else [" ".join(t.split()[::-1]) + " be" * k for t in w.texts]
+                )
+            g = torch.Generator().manual_seed(w.seed * 1000 + k)
+            return [
                 TokensPrompt(
                     prompt_token_ids=torch.randint(4, vocab, (w.input_len,), generator=g).tolist()
                 )
                 for _ in range(w.num_prompts)
             ]
-        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+
+        llm.generate(make_prompts(1), sp, use_tqdm=False)  # warm-up
         times = []
         outs = None
-        for _ in range(w.iters):
+        for it in range(w.iters):
+            prompts = make_prompts(0 if it == 0 else it + 1)
             t = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
+            res = llm.generate(prompts, sp, use_tqdm=False)
             times.append(time.perf_counter() - t)
+            if it == 0:
+                outs = res
         assert outs is not None
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(o.prompt_token_ids or []) for o in outs)
