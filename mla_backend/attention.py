@@ -170,6 +170,27 @@ class MLAAttention:
         with torch.no_grad():
             return self._forward(q_nope, q_pe, kv_cache, batch, kv_scale)
 
+    def _plan(self, batch: MLABatch, device: torch.device) -> tuple[PathChoice, list]:
+        """The policy's decision and, for a mixed batch, the per-path sub-batches and query
+        rows: computed once per step and shared by every layer with the same dims and policy
+        (cached on the batch)."""
+        p = self.policy
+        key = ("plan", p.mode, p.chunked_prefix_threshold, p.profile, self.dims, str(device))
+        cached = batch._device_cache.get(key)
+        if cached is not None:
+            choice, parts = cached
+            return choice, [(getattr(self, name), sub, rows) for name, sub, rows in parts]
+        choice = p.choose(batch, self.dims, device.type)
+        parts = []
+        if choice.batch_mode == "mixed":
+            for flag, name in ((True, "absorbed"), (False, "normal")):
+                reqs = [i for i, a in enumerate(choice.use_absorbed) if a == flag]
+                rows = torch.tensor(batch.token_index(reqs), dtype=torch.long, device=device)
+                if rows.numel():
+                    parts.append((name, batch.select(reqs), rows))
+        batch._device_cache[key] = (choice, parts)
+        return choice, [(getattr(self, name), sub, rows) for name, sub, rows in parts]
+
     def _forward(
         self,
         q_nope: torch.Tensor,
@@ -178,7 +199,7 @@ class MLAAttention:
         batch: MLABatch,
         kv_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        choice = self.policy.choose(batch, self.dims, q_nope.device.type)
+        choice, parts = self._plan(batch, q_nope.device)
         self.last_choice = choice
         mode = choice.batch_mode
         if mode == "absorbed":
@@ -192,11 +213,6 @@ class MLAAttention:
             dtype=q_nope.dtype,
             device=q_nope.device,
         )
-        for flag, fn in ((True, self.absorbed), (False, self.normal)):
-            reqs = [i for i, a in enumerate(choice.use_absorbed) if a == flag]
-            rows = torch.tensor(batch.token_index(reqs), dtype=torch.long, device=q_nope.device)
-            if rows.numel() == 0:
-                continue
-            sub = batch.select(reqs)
+        for fn, sub, rows in parts:
             out[rows] = fn(q_nope[rows], q_pe[rows], kv_cache, sub, kv_scale)
         return out

@@ -232,3 +232,17 @@ def test_mla_attention_chunk_tokens_setting() -> None:
     assert_close_to_oracle(out, case.oracle(), torch.float32)
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         mb.MLAAttention(case.dims, case.weights, chunk_tokens=0)
+
+
+def test_policy_plan_is_computed_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers sharing dims and policy reuse one decision per batch (per-step plan)."""
+    case = make_case(DIMS["lite"], [0, 300, 0], [200, 1, 3], 16, seed=11)
+    policy = mb.Policy("cost")
+    calls = []
+    real = policy.choose
+    monkeypatch.setattr(policy, "choose", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layers = [mb.MLAAttention(case.dims, case.weights, policy=policy) for _ in range(3)]
+    outs = [attn(case.q_nope, case.q_pe, case.kv_cache, case.batch) for attn in layers]
+    assert len(calls) == 1 and layers[2].last_choice.batch_mode == "mixed"
+    for out in outs:
+        assert_close_to_oracle(out, case.oracle(), torch.float32)
