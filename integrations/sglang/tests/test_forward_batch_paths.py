@@ -14,7 +14,6 @@ paper's formulas) as the oracle:
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +30,6 @@ from sglang.test.kits.attention_unittest.attention_methods import dense_attentio
 from sglang.test.kits.attention_unittest.attention_methods import mla_attention as mh
 
 import mla_backend as mb
-import mla_backend.attention as mb_attention
 import mla_backend.normal as mb_normal
 
 H, R, ROPE, NOPE, V = 4, 40, 16, 24, 20
@@ -153,11 +151,13 @@ def test_normal_path_vs_oracle(prefix, new, dtype, page_size, monkeypatch):
 
     # small chunks, so a 100-token prefix is decompressed in 7 chunks merged by LSE
     monkeypatch.setattr(mb_normal, "merge_attention_states", counting_merge)
-    monkeypatch.setattr(
-        mb_attention,
-        "normal_attention",
-        functools.partial(mb_normal.normal_attention, chunk_tokens=16),
-    )
+    real_init = mb.MLAAttention.__init__
+
+    def init_small_chunks(self, *args, **kwargs):
+        kwargs["chunk_tokens"] = 16
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(mb.MLAAttention, "__init__", init_small_chunks)
     layer = _mha_layer(s.kv_b)
     s.write(layer, upto_prefix_only=False)
     q = torch.cat([s.q_nope, s.q_pe], -1)
