@@ -195,3 +195,9 @@ class Oracle:
 def tokens_and_logprobs(resp: dict[str, Any]) -> tuple[list[int], list[float]]:
     entries = resp["meta_info"]["output_token_logprobs"]
     return [int(e[1]) for e in entries], [float(e[0]) for e in entries]
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    """n token ids (10..9999, inside the tiny models' vocab) from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 10000, (n,), generator=g).tolist()

@@ -18,7 +18,6 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from . import _server
 
@@ -53,11 +52,6 @@ def oracle(model):
     return _server.Oracle(model)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 10000, (n,), generator=g).tolist()
-
-
 def _check(server, oracle, ids, n=N_NEW):
     resp = server.generate(ids, n)
     toks, lps = _server.tokens_and_logprobs(resp)
@@ -77,21 +71,21 @@ def test_scheduler_resolved_the_plugin_backend(server):
 
 @pytest.mark.parametrize("length", [1, 7, 33, 150])
 def test_fresh_prompts_match_transformers(server, oracle, length):
-    _check(server, oracle, _prompt(length, length))
+    _check(server, oracle, _server.random_prompt(length, length))
 
 
 def test_generations_are_not_degenerate(server):
-    toks, _ = _server.tokens_and_logprobs(server.generate(_prompt(5, 20), N_NEW))
+    toks, _ = _server.tokens_and_logprobs(server.generate(_server.random_prompt(5, 20), N_NEW))
     assert len(set(toks)) >= N_NEW // 2
 
 
 def test_prefix_cache_hits_short_and_long(server, oracle):
     """Radix-cache hits: a 30-token prefix (absorbed extend) and a 100-token one (normal over
     the cached prefix), both against the oracle on the full prompt."""
-    base = _prompt(42, 100)
+    base = _server.random_prompt(42, 100)
     _check(server, oracle, base)
-    short = base[:30] + _prompt(43, 5)
-    long = base + _prompt(44, 20)
+    short = base[:30] + _server.random_prompt(43, 5)
+    long = base + _server.random_prompt(44, 20)
     r_short = _check(server, oracle, short)
     r_long = _check(server, oracle, long)
     assert r_short["meta_info"]["cached_tokens"] >= 30
@@ -100,7 +94,7 @@ def test_prefix_cache_hits_short_and_long(server, oracle):
 
 def test_concurrent_batch(server, oracle):
     """Eight concurrent requests of mixed lengths are batched by the scheduler."""
-    prompts = [_prompt(100 + i, 3 + 11 * i) for i in range(8)]
+    prompts = [_server.random_prompt(100 + i, 3 + 11 * i) for i in range(8)]
     with ThreadPoolExecutor(max_workers=8) as ex:
         resps = list(ex.map(lambda p: server.generate(p, N_NEW), prompts))
     for ids, resp in zip(prompts, resps, strict=True):

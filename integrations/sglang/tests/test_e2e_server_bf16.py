@@ -16,7 +16,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from . import _server
 
@@ -51,17 +50,12 @@ def oracle(model):
     return _server.Oracle(model)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 10000, (n,), generator=g).tolist()
-
-
 def test_bf16_page32_backend_resolved(server):
     assert "page_size=32 kv dtype=torch.bfloat16" in server.log()
 
 
 def test_teacher_forced_logprobs_match_oracle(server, oracle):
-    prompts = [_prompt(s, n) for s, n in ((1, 9), (2, 70), (3, 200))]
+    prompts = [_server.random_prompt(s, n) for s, n in ((1, 9), (2, 70), (3, 200))]
     refs = [oracle.greedy(p, N_NEW) for p in prompts]
     # concurrent scoring requests are batched together
     with ThreadPoolExecutor(max_workers=3) as ex:
@@ -75,7 +69,7 @@ def test_teacher_forced_logprobs_match_oracle(server, oracle):
 
 def test_prefix_hit_scoring_matches_oracle(server, oracle):
     """The same prompt scored again extends onto its cached prefix (radix hit)."""
-    ids = _prompt(4, 120)
+    ids = _server.random_prompt(4, 120)
     ref_toks, ref_lps = oracle.greedy(ids, N_NEW)
     server.score(ids, 1)  # cache the prompt
     lps = server.score(ids + ref_toks, len(ids))

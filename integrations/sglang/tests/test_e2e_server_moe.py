@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from . import _server
 
@@ -53,11 +52,6 @@ def oracle(model):
     return _server.Oracle(model)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 10000, (n,), generator=g).tolist()
-
-
 def _match(resp, ref):
     toks, lps = _server.tokens_and_logprobs(resp)
     ref_toks, ref_lps = ref
@@ -72,13 +66,14 @@ def test_serve_cli_resolved_backend_with_page_16(server):
 
 
 def test_prompts_and_prefix_hits_match_transformers(server, oracle):
-    base = _prompt(7, 70)
-    for ids in (base, base[:40] + _prompt(8, 9), base + _prompt(9, 3), _prompt(10, 5)):
+    base = _server.random_prompt(7, 70)
+    prompt = _server.random_prompt
+    for ids in (base, base[:40] + prompt(8, 9), base + prompt(9, 3), prompt(10, 5)):
         _match(server.generate(ids, N_NEW), oracle.greedy(ids, N_NEW))
 
 
 def test_concurrent_batch(server, oracle):
-    prompts = [_prompt(200 + i, 4 + 9 * i) for i in range(6)]
+    prompts = [_server.random_prompt(200 + i, 4 + 9 * i) for i in range(6)]
     with ThreadPoolExecutor(max_workers=6) as ex:
         resps = list(ex.map(lambda p: server.generate(p, N_NEW), prompts))
     for ids, resp in zip(prompts, resps, strict=True):
