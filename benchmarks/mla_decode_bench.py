@@ -21,7 +21,7 @@ from common import paged_latents, random_weights, write_table  # noqa: E402
 from roofline import best_time, peak_bf16_flops, read_bandwidth  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
-from mla_backend.decompressed import DecompressedCache, cd_attention  # noqa: E402
+from mla_backend.testing.decompressed import DecompressedCache, cd_attention  # noqa: E402
 
 DT = torch.bfloat16
 

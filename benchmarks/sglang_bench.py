@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from mla_backend.tiny_model import make_tiny_deepseek_v2
+            from mla_backend.testing.tiny_model import make_tiny_deepseek_v2
 
             model = Path(tmp) / "tiny-v2-lite-dims"
             make_tiny_deepseek_v2(model, seed=0, dtype="bfloat16", rope_scaling=YARN)

@@ -1,6 +1,6 @@
 """vLLM engine benchmark: MLA_ABSORB vs the in-tree AMX_MLA and CPU_MLA on the same model and
 workloads, interleaved (round r runs every backend once, in rotated order), one engine at a
-time (each backend in a fresh process, see mla_backend_integrations.vllm.compare).
+time (each backend in a fresh process, see compare).
 
 Python equivalent of ``vllm bench latency`` (fixed batch, fixed input/output lengths, greedy,
 EOS ignored, best of N timed iterations after a warm-up). Writes a Markdown table and the raw
@@ -18,8 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
-from mla_backend.tiny_model import PRESETS, make_tiny_deepseek_v2
-from mla_backend_integrations.vllm.compare import RunSpec, Workload, run_backend
+from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
+from compare import RunSpec, Workload, run_backend
 
 BACKENDS = ("MLA_ABSORB", "AMX_MLA", "CPU_MLA")
 

@@ -11,10 +11,18 @@ fresh vLLM engine, and prints the generations, output tokens/s and KV-cache byte
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from mla_backend_integrations.vllm.compare import RunSpec, Workload, run_backend
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from mla_backend.tiny_model import PRESETS, make_tiny_deepseek_v2, synthetic_words
+from compare import RunSpec, Workload, run_backend  # noqa: E402
+
+from mla_backend.testing.tiny_model import (  # noqa: E402
+    PRESETS,
+    make_tiny_deepseek_v2,
+    synthetic_words,
+)
 
 BACKENDS = ("MLA_ABSORB", "AMX_MLA", "CPU_MLA")
 

@@ -6,7 +6,7 @@ prefills; choose per request with a cost-model policy. Engine-agnostic: imports 
 triton where installed), never vLLM or SGLang.
 """
 
-from . import reference
+from . import testing
 from .attention import MLAAttention, absorbed_attention, write_latent
 from .batch import MLABatch, Phase
 from .checks import check_cache
@@ -37,7 +37,7 @@ __all__ = [
     "merge_attention_states",
     "normal_attention",
     "quantize_fp8",
-    "reference",
+    "testing",
     "split_kv_b_proj",
     "write_latent",
     "yarn_mscale",

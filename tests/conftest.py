@@ -33,7 +33,7 @@ class Case:
     weights: mb.AbsorbWeights
 
     def oracle(self, scale: float | None = None) -> torch.Tensor:
-        return mb.reference.reference_mla_attention(
+        return mb.testing.reference.reference_mla_attention(
             self.q_nope,
             self.q_pe,
             self.c_kv,

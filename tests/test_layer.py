@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import mla_backend as mb
-from mla_backend.decompressed import DecompressedCache
-from mla_backend.layer import MLALayer
-from mla_backend.rope import DeepseekRope, rope_inv_freq
+from mla_backend.testing.decompressed import DecompressedCache
+from mla_backend.testing.layer import MLALayer
+from mla_backend.testing.rope import DeepseekRope, rope_inv_freq
 
 LAYER_DIMS = [
     mb.MLADims(4, 64, 32, 16, 24, q_lora_rank=48, hidden_size=96),
@@ -87,7 +87,7 @@ def test_layer_steps_match_reference(
             outs[i].append(out[batch.cu_new[i] : batch.cu_new[i] + n])
             done[i] += n
     for i in range(len(total)):
-        ref = mb.reference.reference_mla_layer(
+        ref = mb.testing.reference.reference_mla_layer(
             ref_weights(layer),
             hidden[i],
             dims.num_heads,
@@ -107,7 +107,7 @@ def test_layer_bf16_close_to_fp32_reference() -> None:
     kv = torch.zeros(2, 16, dims.latent_dim, dtype=torch.bfloat16)
     with torch.no_grad():
         out = layer(hidden.bfloat16(), batch, kv, torch.arange(16, 28)).float()
-    ref = mb.reference.reference_mla_layer(
+    ref = mb.testing.reference.reference_mla_layer(
         ref_weights(layer), hidden.bfloat16(), 16, 512, 128, 64, 128
     )
     assert (out - ref).norm() / ref.norm() < 0.03
@@ -174,7 +174,7 @@ def test_layer_follows_weight_changes_and_runs_with_autograd_on() -> None:
     with torch.no_grad():
         layer.kv_b_proj.weight.mul_(3.0)
     after = run()
-    ref = mb.reference.reference_mla_layer(
+    ref = mb.testing.reference.reference_mla_layer(
         ref_weights(layer),
         hidden,
         dims.num_heads,

@@ -1,4 +1,4 @@
-"""Tests for the tiny DeepSeek-V2 checkpoint generator (mla_backend.tiny_model)."""
+"""Tests for the tiny DeepSeek-V2 checkpoint generator (mla_backend.testing.tiny_model)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_backend.tiny_model import PRESETS, main, make_tiny_deepseek_v2, synthetic_words
+from mla_backend.testing.tiny_model import PRESETS, main, make_tiny_deepseek_v2, synthetic_words
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

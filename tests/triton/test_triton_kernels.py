@@ -494,7 +494,7 @@ def test_seam_routes_to_triton_and_matches_paper_oracle() -> None:
     assert called, "impl='triton' did not reach mla_backend.ops.triton_ops"
     r = 32
     seqs = [s.float() for s in case.seqs]
-    ref = mb.reference.reference_mla_attention(
+    ref = mb.testing.reference.reference_mla_attention(
         q_nope,
         case.q_pe,
         [s[:, :r] for s in seqs],

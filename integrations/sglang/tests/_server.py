@@ -39,8 +39,8 @@ REQUEST_TIMEOUT_S = 120
 
 
 def make_model(path: Path, **dims: Any) -> Path:
-    """A tiny random DeepSeek-V2 checkpoint (fp32 safetensors) via mla_backend.tiny_model."""
-    from mla_backend.tiny_model import make_tiny_deepseek_v2
+    """A tiny random DeepSeek-V2 checkpoint (fp32 safetensors), see mla_backend.testing."""
+    from mla_backend.testing.tiny_model import make_tiny_deepseek_v2
 
     make_tiny_deepseek_v2(path, rope_scaling=YARN, dtype="float32", **dims)
     return path

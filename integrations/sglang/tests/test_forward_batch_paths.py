@@ -2,7 +2,7 @@
 
 Real ``ReqToTokenPool`` / ``MLATokenToKVPool`` / ``ForwardBatch`` / ``RadixAttention`` (pages
 shuffled within each request, as the harness does), non-DeepSeek dims (nope != r, v != nope),
-and ``mla_backend.reference.reference_mla_attention`` (plain fp32 decompressed MHA from the
+and ``mla_backend.testing.reference.reference_mla_attention`` (plain fp32 decompressed MHA from the
 paper's formulas) as the oracle:
 
 - normal (MHA) path: ``attn_mha`` calls for fresh prefills and for extends onto a cached
@@ -107,7 +107,7 @@ class Setup:
         def stored(x):
             return x.to(self.kv_dtype).to(torch.float32)
 
-        return mb.reference.reference_mla_attention(
+        return mb.testing.reference.reference_mla_attention(
             self.q_nope.float(), self.q_pe.float(),
             [stored(c) for c in self.c_kv], [stored(k) for k in self.k_pe],
             self.kv_b.float(), NOPE, V, self.new, self.scale,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from mla_backend.tiny_model import PRESETS, make_tiny_deepseek_v2
+from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
 
 # Keep the engine small on this 2-core machine; use both cores.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,5 +1,5 @@
 """Backend-level tests: vLLM metadata (CommonAttentionMetadata -> our builder) + MLAAbsorbImpl
-against the core's independent oracle ``mla_backend.reference.reference_mla_attention``.
+against the core's independent oracle ``mla_backend.testing.reference.reference_mla_attention``.
 
 Each case lays requests out in a paged cache with randomly permuted physical blocks (block 0
 is vLLM's null block and never used), writes the prefix latents in an earlier "step" and the
@@ -22,7 +22,7 @@ from mla_backend_integrations.vllm.backend import (
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 import mla_backend as mb
-from mla_backend.reference import reference_mla_attention
+from mla_backend.testing.reference import reference_mla_attention
 
 DIMS = {
     # name: (heads, r, rope, nope, v)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .dims import yarn_factor, yarn_mscale
+from ..dims import yarn_factor, yarn_mscale
 
 
 def _yarn_correction_dim(num_rot: float, dim: int, base: float, max_pos: int) -> float:

@@ -13,7 +13,7 @@
 * ``generation_config.json``.
 
 Only ``torch``, ``safetensors`` and ``json`` are used (imported lazily); no engine, no
-transformers. CLI: ``python -m mla_backend.tiny_model OUT_DIR [--preset default|odd|moe]``.
+transformers. CLI: ``python -m mla_backend.testing.tiny_model OUT_DIR [--preset default|odd|moe]``.
 """
 
 from __future__ import annotations
@@ -396,9 +396,9 @@ def make_tiny_deepseek_v2(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m mla_backend.tiny_model OUT_DIR [--preset NAME] [--seed N] [--dtype D]``."""
+    """CLI: ``python -m mla_backend.testing.tiny_model OUT_DIR [--preset NAME] [--seed N]``."""
     ap = argparse.ArgumentParser(
-        prog="python -m mla_backend.tiny_model",
+        prog="python -m mla_backend.testing.tiny_model",
         description="Write a tiny random DeepSeek-V2 model folder.",
     )
     ap.add_argument("out_dir")

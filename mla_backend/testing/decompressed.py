@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .normal import decompress
-from .weights import AbsorbWeights
+from ..normal import decompress
+from ..weights import AbsorbWeights
 
 
 class DecompressedCache:

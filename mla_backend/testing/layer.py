@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import MLAAttention, write_latent
-from .batch import MLABatch
+from ..attention import MLAAttention, write_latent
+from ..batch import MLABatch
+from ..dims import MLADims, yarn_softmax_scale
+from ..policy import Policy
+from ..weights import AbsorbWeights, split_kv_b_proj
 from .decompressed import DecompressedCache, cd_attention
-from .dims import MLADims, yarn_softmax_scale
-from .policy import Policy
 from .rope import DeepseekRope
-from .weights import AbsorbWeights, split_kv_b_proj
 
 VARIANTS = ("A_CC_ME", "CD")
 

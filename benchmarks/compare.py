@@ -3,7 +3,7 @@ KV-cache bytes per token; used by the demo (examples/vllm_demo.py) and the bench
 (benchmarks/vllm_bench.py).
 
 Every timed iteration uses prompts no earlier run has seen (no prefix-cache hits). Each
-backend runs in its own fresh process (``python -m mla_backend_integrations.vllm.compare
+backend runs in its own fresh process (``python benchmarks/compare.py
 SPEC.json``) so only one engine is alive at a time and every backend starts from the same
 state. The child prints one JSON line prefixed with ``RESULT:``.
 """
@@ -138,7 +138,7 @@ def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
         }
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "mla_backend_integrations.vllm.compare"],
+        [sys.executable, str(Path(__file__).resolve())],
         input=payload,
         capture_output=True,
         text=True,
