@@ -6,14 +6,12 @@ prefills; choose per request with a cost-model policy. Engine-agnostic: imports 
 triton where installed), never vLLM or SGLang.
 """
 
-from . import testing
-from .attention import MLAAttention, absorbed_attention, write_latent
+from .attention import MLAAttention, absorbed_attention, normal_attention, write_latent
 from .batch import MLABatch, Phase
-from .checks import check_cache
 from .dims import MLADims, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .merge import merge_attention_states
-from .normal import normal_attention
+from .plan import MLAPlan, PlanPart, WorkPartition, plan
 from .policy import PathChoice, Policy
 from .weights import AbsorbWeights, absorb_q, apply_W_UV, split_kv_b_proj
 
@@ -25,20 +23,22 @@ __all__ = [
     "MLAAttention",
     "MLABatch",
     "MLADims",
+    "MLAPlan",
     "PathChoice",
     "Phase",
+    "PlanPart",
     "Policy",
     "absorb_q",
     "absorbed_attention",
     "apply_W_UV",
-    "check_cache",
     "dequantize_fp8",
     "fp8_bmm",
     "merge_attention_states",
     "normal_attention",
+    "plan",
     "quantize_fp8",
-    "testing",
     "split_kv_b_proj",
+    "WorkPartition",
     "write_latent",
     "yarn_mscale",
     "yarn_softmax_scale",

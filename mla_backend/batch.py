@@ -5,6 +5,9 @@ ForwardBatch) into one :class:`MLABatch`. Query tokens are packed in request ord
 ``i`` owns rows ``cu_new[i]:cu_new[i+1]`` of every ``[T, ...]`` tensor. Its kv length is
 ``prefix_lens[i] + new_lens[i]`` and the paged cache already holds all of those tokens; new
 token ``j`` of request ``i`` attends to kv positions ``< prefix_lens[i] + j + 1`` (causal).
+
+The batch holds what the engine knows on the host; :func:`mla_backend.plan` turns it into the
+step's plan (policy decision, kernel index tensors) once, and every layer reads the plan.
 """
 
 from __future__ import annotations
@@ -54,10 +57,15 @@ class MLABatch:
         prefix_lens: per request, tokens already cached before this step (python ints).
         new_lens: per request, query tokens in this step (python ints, may be 0 for a request
             that only exists for padding).
-        block_table: [B, max_pages] int32/int64 physical page ids per logical page.
+        block_table: [B, max_pages] int32/int64 physical page ids per logical page, on the
+            device the attention runs on.
         page_size: tokens per page.
         phase: :class:`Phase` of the step.
         cu_new: [B + 1] python ints, prefix sum of ``new_lens``.
+        block_table_host: optional host (CPU) copy of ``block_table`` that the engine already
+            has; the plan validates page ids from it (never by copying device data back) and
+            the torch path uses it to find consecutive pages. When ``block_table`` is on the
+            CPU it is its own host copy.
     """
 
     prefix_lens: list[int]
@@ -66,7 +74,7 @@ class MLABatch:
     page_size: int
     phase: Phase = Phase.MIXED
     cu_new: list[int] = field(default_factory=list)
-    _device_cache: dict = field(default_factory=dict, repr=False)
+    block_table_host: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -76,9 +84,11 @@ class MLABatch:
         block_table: torch.Tensor,
         page_size: int,
         phase: Phase = Phase.MIXED,
+        block_table_host: torch.Tensor | None = None,
     ) -> MLABatch:
         """Validate and build. Lengths may be python sequences or 1-D int tensors (copied to
-        the host once here, so per-layer calls never synchronize)."""
+        the host once here, so per-layer calls never synchronize; engines pass the host
+        copies they already have)."""
         p = _as_int_list(prefix_lens, "prefix_lens")
         n = _as_int_list(new_lens, "new_lens")
         if len(p) != len(n):
@@ -113,7 +123,15 @@ class MLABatch:
         cu = [0]
         for v in n:
             cu.append(cu[-1] + v)
-        return cls(p, n, block_table, page_size, phase, cu)
+        if block_table_host is not None and (
+            block_table_host.device.type != "cpu"
+            or tuple(block_table_host.shape) != tuple(block_table.shape)
+        ):
+            raise ValueError(
+                f"block_table_host must be a CPU copy of block_table {tuple(block_table.shape)}, "
+                f"got {tuple(block_table_host.shape)} on {block_table_host.device}"
+            )
+        return cls(p, n, block_table, page_size, phase, cu, block_table_host)
 
     @property
     def num_reqs(self) -> int:
@@ -136,55 +154,8 @@ class MLABatch:
         pos = [p + j for p, n in zip(self.prefix_lens, self.new_lens) for j in range(n)]
         return torch.tensor(pos, dtype=torch.long, device=device)
 
-    def select(self, indices: Sequence[int]) -> MLABatch:
-        """Sub-batch of the given requests (their query rows are ``token_index(indices)``)."""
-        idx = list(indices)
-        rows = torch.tensor(idx, dtype=torch.long, device=self.block_table.device)
-        return MLABatch.build(
-            [self.prefix_lens[i] for i in idx],
-            [self.new_lens[i] for i in idx],
-            self.block_table.index_select(0, rows),
-            self.page_size,
-            self.phase,
-        )
-
-    def token_index(self, indices: Sequence[int]) -> list[int]:
-        """Packed query-row indices of the given requests, in order."""
-        out: list[int] = []
-        for i in indices:
-            out.extend(range(self.cu_new[i], self.cu_new[i + 1]))
-        return out
-
-    def check_pages(self, num_pages: int) -> None:
-        """Raise unless every page a request uses is a valid index into a cache of
-        ``num_pages`` pages (checked once per cache size; columns past a request's pages may
-        hold anything)."""
-        key = ("pages_ok", num_pages)
-        if key in self._device_cache or self.num_reqs == 0:
-            return
-        need = torch.tensor([-(-L // self.page_size) for L in self.kv_lens])
-        table = self.block_table[: self.num_reqs].cpu()
-        used = table[torch.arange(table.shape[1])[None, :] < need[:, None]]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
-            bad = used[(used < 0) | (used >= num_pages)][0]
-            raise ValueError(
-                f"block_table holds page id {int(bad)} for a used page, but the cache has "
-                f"{num_pages} pages (valid ids 0..{num_pages - 1})"
-            )
-        self._device_cache[key] = True
-
-    def device_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """int32 device tensors for kernels (cached): prefix_lens, new_lens, cu_new, kv_lens."""
-        key = str(device)
-        if key not in self._device_cache:
-
-            def t(x: list[int]) -> torch.Tensor:
-                return torch.tensor(x, dtype=torch.int32, device=device)
-
-            self._device_cache[key] = {
-                "prefix_lens": t(self.prefix_lens),
-                "new_lens": t(self.new_lens),
-                "cu_new": t(self.cu_new),
-                "kv_lens": t(self.kv_lens),
-            }
-        return self._device_cache[key]
+    def host_block_table(self) -> torch.Tensor | None:
+        """The block table on the host, if the engine gave one (or it lives on the CPU)."""
+        if self.block_table_host is not None:
+            return self.block_table_host
+        return self.block_table if self.block_table.device.type == "cpu" else None

@@ -1,12 +1,17 @@
-"""Validation of attention inputs: each call's query, cache and batch against each other,
-with errors that name the offending value and what is supported."""
+"""Validation of the public entry points' inputs: each call's query, cache and plan against each
+other, with errors that name the offending value and what is supported. Checks read shapes,
+dtypes and the plan's host data only, never tensor contents."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .batch import MLABatch
 from .fp8 import FP8_DTYPE
+
+if TYPE_CHECKING:
+    from .plan import MLAPlan
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
@@ -37,11 +42,18 @@ def check_step(
     q_a: torch.Tensor,
     q_pe: torch.Tensor,
     kv_cache: torch.Tensor,
-    batch: MLABatch,
+    plan: MLAPlan,
     latent_dim: int,
     kv_scale: torch.Tensor | None,
 ) -> None:
-    """Validate one attention call's query, cache and batch against each other."""
+    """Validate one attention call's query, cache and plan against each other."""
+    from .plan import MLAPlan
+
+    if not isinstance(plan, MLAPlan):
+        raise ValueError(
+            f"attention calls take the step's MLAPlan (mla_backend.plan(batch, dims)), got "
+            f"{type(plan).__name__}"
+        )
     if q_a.dtype not in QUERY_DTYPES or q_pe.dtype != q_a.dtype:
         raise ValueError(
             f"query dtypes {q_a.dtype}/{q_pe.dtype} are not supported; use one of bf16, fp16, "
@@ -52,13 +64,34 @@ def check_step(
             f"query shapes {tuple(q_a.shape)} / {tuple(q_pe.shape)} are not [T, H, *] / "
             "[T, H, rope] with the same T and H"
         )
-    if q_a.shape[0] != batch.num_tokens:
+    if q_a.shape[0] != plan.num_tokens:
         raise ValueError(
-            f"queries hold {q_a.shape[0]} tokens but the batch describes {batch.num_tokens}"
+            f"queries hold {q_a.shape[0]} tokens but the plan describes {plan.num_tokens}"
+        )
+    if q_a.shape[1] != plan.dims.num_heads:
+        raise ValueError(
+            f"queries have {q_a.shape[1]} heads but the plan's dims have {plan.dims.num_heads}"
+        )
+    if q_pe.shape[-1] != plan.dims.qk_rope_head_dim:
+        raise ValueError(
+            f"q_pe width {q_pe.shape[-1]} != qk_rope_head_dim {plan.dims.qk_rope_head_dim}"
         )
     check_cache(kv_cache, latent_dim, kv_scale)
-    if kv_cache.shape[1] != batch.page_size:
+    if kv_cache.shape[1] != plan.page_size:
         raise ValueError(
-            f"kv_cache page size {kv_cache.shape[1]} != batch.page_size {batch.page_size}"
+            f"kv_cache page size {kv_cache.shape[1]} != the plan's page_size {plan.page_size}"
         )
-    batch.check_pages(kv_cache.shape[0])
+    if plan.max_page_id >= kv_cache.shape[0]:
+        raise ValueError(
+            f"block_table holds page id {plan.max_page_id} for a used page, but the cache has "
+            f"{kv_cache.shape[0]} pages (valid ids 0..{kv_cache.shape[0] - 1})"
+        )
+    if not (_same_device(q_a.device, plan.device) and _same_device(kv_cache.device, plan.device)):
+        raise ValueError(
+            f"queries on {q_a.device} and cache on {kv_cache.device}, but the plan was made "
+            f"for {plan.device}"
+        )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

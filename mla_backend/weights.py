@@ -25,13 +25,13 @@ class AbsorbWeights:
         W_UK: [H, nope, r] (compute dtype, or float8_e4m3fn when ``fp8``).
         W_UV: [H, r, v] (compute dtype, or float8_e4m3fn when ``fp8``).
         W_UK_scale / W_UV_scale: float32 [] or [H, 1, 1] weight scales (fp8 only).
-        kv_b: [H*(nope+v), r] dequantized kv_b_proj weight, used to decompress ``c_kv``
-            on the normal path.
+
+    The normal path decompresses ``c_kv`` with these two as well: no other copy of
+    ``kv_b_proj`` is kept.
     """
 
     W_UK: torch.Tensor
     W_UV: torch.Tensor
-    kv_b: torch.Tensor
     W_UK_scale: torch.Tensor | None = None
     W_UV_scale: torch.Tensor | None = None
 
@@ -115,10 +115,9 @@ def split_kv_b_proj(
     w = full.view(H, nope + v, r)
     w_uk = w[:, :nope, :]  # [H, nope, r]
     w_uv = w[:, nope:, :].transpose(1, 2)  # [H, r, v]
-    kv_b = full.to(out_dtype)
     if not keep_fp8:
         return AbsorbWeights(
-            W_UK=w_uk.to(out_dtype).contiguous(), W_UV=w_uv.to(out_dtype).contiguous(), kv_b=kv_b
+            W_UK=w_uk.to(out_dtype).contiguous(), W_UV=w_uv.to(out_dtype).contiguous()
         )
     from .fp8 import FP8_MAX
 
@@ -128,7 +127,7 @@ def split_kv_b_proj(
 
     uk, uk_s = per_head(w_uk)
     uv, uv_s = per_head(w_uv)
-    return AbsorbWeights(W_UK=uk, W_UV=uv, kv_b=kv_b, W_UK_scale=uk_s, W_UV_scale=uv_s)
+    return AbsorbWeights(W_UK=uk, W_UV=uv, W_UK_scale=uk_s, W_UV_scale=uv_s)
 
 
 def absorb_q(q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mla_backend as mb
+import mla_backend.testing.reference
 
 # (H, r, nope, rope, v): tiny, odd (non power of two, v != nope), no rope, DeepSeek-V2-Lite.
 DIMS = {
@@ -31,6 +32,11 @@ class Case:
     k_pe: list[torch.Tensor]
     kv_b: torch.Tensor  # [H*(nope+v), r] fp32
     weights: mb.AbsorbWeights
+
+    def plan(self, policy: str | mb.Policy = "absorb", impl: object = None) -> mb.MLAPlan:
+        """The step's plan under ``policy`` (a mode name or a Policy)."""
+        pol = mb.Policy(policy) if isinstance(policy, str) else policy
+        return mb.plan(self.batch, self.dims, pol, impl=impl)
 
     def oracle(self, scale: float | None = None) -> torch.Tensor:
         return mb.testing.reference.reference_mla_attention(

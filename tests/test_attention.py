@@ -30,8 +30,8 @@ def test_paths_match_oracle_fp32(
         pytest.skip("covered by smaller dims; keeps the grid fast")
     prefix, new = BATCHES[batch_name]
     case = make_case(DIMS[dims_name], prefix, new, page_size, seed=hash(batch_name) % 1000)
-    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy(path))
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
+    attn = mb.MLAAttention(case.dims, case.weights)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.plan(path))
     assert out.shape == (case.batch.num_tokens, case.dims.num_heads, case.dims.v_head_dim)
     assert_close_to_oracle(out, case.oracle(), torch.float32)
 
@@ -41,8 +41,8 @@ def test_paths_match_oracle_fp32(
 @pytest.mark.parametrize("dims_name", ["odd", "lite"])
 def test_half_precision(dtype: torch.dtype, path: str, dims_name: str) -> None:
     case = make_case(DIMS[dims_name], [40, 0, 7], [1, 30, 6], 16, dtype=dtype, seed=3)
-    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy(path))
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
+    attn = mb.MLAAttention(case.dims, case.weights)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.plan(path))
     assert out.dtype == dtype
     assert_close_to_oracle(out, case.oracle(), dtype)
 
@@ -52,8 +52,8 @@ def test_half_precision(dtype: torch.dtype, path: str, dims_name: str) -> None:
 def test_fp8_cache(path: str, dtype: torch.dtype) -> None:
     """The oracle sees the dequantized cache contents: what remains is the kernels' error."""
     case = make_case(DIMS["lite"], [70, 0], [1, 12], 16, dtype=dtype, cache_dtype=mb.FP8_DTYPE)
-    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy(path))
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch, kv_scale=case.kv_scale)
+    attn = mb.MLAAttention(case.dims, case.weights)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.plan(path), kv_scale=case.kv_scale)
     assert_close_to_oracle(out, case.oracle(), dtype, factor=1.5)
 
 
@@ -62,9 +62,9 @@ def test_lse_is_logsumexp_of_scaled_scores() -> None:
     d = case.dims
     scale = 0.3
     q_lat = mb.absorb_q(case.q_nope, case.weights)
-    _, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.batch, scale)
+    _, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.plan(), scale)
     _, lse_n = mb.normal_attention(
-        case.q_nope, case.q_pe, case.kv_cache, case.batch, case.weights, scale
+        case.q_nope, case.q_pe, case.kv_cache, case.plan("normal"), case.weights, scale
     )
     row = 0
     for c, kp, p, n in zip(case.c_kv, case.k_pe, case.batch.prefix_lens, case.batch.new_lens):
@@ -86,7 +86,7 @@ def test_normal_chunked_prefix_matches_oracle(chunk: int) -> None:
         case.q_nope,
         case.q_pe,
         case.kv_cache,
-        case.batch,
+        case.plan("normal"),
         case.weights,
         case.dims.default_softmax_scale,
         chunk_tokens=chunk,
@@ -104,7 +104,7 @@ def test_normal_uses_given_new_latents() -> None:
         case.q_nope,
         case.q_pe,
         case.kv_cache,
-        case.batch,
+        case.plan("normal"),
         case.weights,
         case.dims.default_softmax_scale,
         new_c_kv=torch.zeros_like(rows_c),
@@ -118,25 +118,26 @@ def test_normal_uses_given_new_latents() -> None:
 def test_long_context_8k_bf16_decode_and_extend() -> None:
     case = make_case(DIMS["lite"], [8192, 6000], [1, 16], 64, dtype=torch.bfloat16)
     for path in ("absorb", "normal"):
-        attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy(path))
-        out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
+        attn = mb.MLAAttention(case.dims, case.weights)
+        out = attn(case.q_nope, case.q_pe, case.kv_cache, case.plan(path))
         assert_close_to_oracle(out, case.oracle(), torch.bfloat16)
 
 
 @pytest.mark.slow
 def test_long_context_32k() -> None:
     case = make_case(DIMS["lite"], [32768, 20000], [1, 4], 64, dtype=torch.bfloat16)
-    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy("absorb"))
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
+    attn = mb.MLAAttention(case.dims, case.weights)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.plan("absorb"))
     assert_close_to_oracle(out, case.oracle(), torch.bfloat16)
 
 
 def test_mixed_policy_scatters_rows_back() -> None:
     """With the cost policy a batch is split; every request's rows come back in place."""
     case = make_case(DIMS["lite"], [0, 300, 0], [200, 1, 3], 16, seed=11)
-    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy("cost"))
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
-    assert attn.last_choice is not None and attn.last_choice.batch_mode == "mixed"
+    attn = mb.MLAAttention(case.dims, case.weights)
+    plan = case.plan("cost")
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, plan)
+    assert plan.mode == "mixed"
     assert_close_to_oracle(out, case.oracle(), torch.float32)
 
 
@@ -158,25 +159,23 @@ def test_property_any_dims_any_layout(data, heads, r, nope, rope_half, v, page_s
     new = data.draw(st.lists(st.integers(1, 12), min_size=nreq, max_size=nreq))
     seed = data.draw(st.integers(0, 10_000))
     case = make_case(dims, prefix, new, page_size, seed=seed)
-    attn = mb.MLAAttention(dims, case.weights, policy=mb.Policy(path))
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
+    attn = mb.MLAAttention(dims, case.weights)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.plan(path))
     assert_close_to_oracle(out, case.oracle(), torch.float32)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, mb.FP8_DTYPE])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("flash_max_heads", [0, 64], ids=["gemm", "flash"])
-def test_decode_paths_match_oracle(
-    cache_dtype: torch.dtype, page_size: int, flash_max_heads: int, monkeypatch: pytest.MonkeyPatch
+def test_torch_decode_paths_match_oracle(
+    cache_dtype: torch.dtype, page_size: int, flash_max_heads: int
 ) -> None:
-    """Many single-token requests: through the grouped bmm path (similar lengths share one
-    gather and bmm; padding columns of the block table hold garbage page ids on purpose) and
-    through the fused flash decode path; LSE checked too."""
-    from mla_backend.ops import torch_ops
-    from mla_backend.ops.torch_ops import _decode_groups
+    """Many single-token requests on the torch path: through the grouped bmm path (similar
+    lengths share one gather and bmm; padding columns of the block table hold garbage page ids
+    on purpose) and through the fused flash decode path; LSE checked too."""
+    from mla_backend.ops.torch_ops import Kernels
 
-    monkeypatch.setattr(torch_ops, "FLASH_DECODE_MAX_HEADS", flash_max_heads)
-
+    impl = Kernels(flash_max_heads=flash_max_heads)
     prefix = [40, 47, 33, 45, 300, 290, 0, 310]
     case = make_case(
         DIMS["odd"], prefix, [1] * 8, page_size, cache_dtype=cache_dtype, phase=mb.Phase.DECODE
@@ -184,36 +183,36 @@ def test_decode_paths_match_oracle(
     bt = case.batch.block_table
     for i, L in enumerate(case.batch.kv_lens):
         bt[i, -(-L // page_size) :] = 10**6  # out-of-range garbage beyond the request's pages
-    groups, rest = _decode_groups(case.batch, case.dims.num_heads)
+    plan = case.plan("absorb", impl=impl)
+    groups, rest = impl._decode_groups(plan.step, case.dims.num_heads)
     assert sum(len(g) for g in groups) >= 6 and len(groups) >= 2
-    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy("absorb"))
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch, kv_scale=case.kv_scale)
+    attn = mb.MLAAttention(case.dims, case.weights)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, plan, kv_scale=case.kv_scale)
     assert_close_to_oracle(out, case.oracle(), torch.float32)
     # LSE of decode rows against a direct computation over the stored latents
     q_lat = mb.absorb_q(case.q_nope, case.weights)
-    _, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.batch, 0.1, case.kv_scale)
+    _, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, plan, 0.1, case.kv_scale)
     for i, (c, kp) in enumerate(zip(case.c_kv, case.k_pe)):
         s = (q_lat[i] @ c.T + case.q_pe[i] @ kp.T) * 0.1
         torch.testing.assert_close(lse[i], torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_absorbed_many_kv_splits_with_causal_extends(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_torch_absorbed_many_kv_splits_with_causal_extends(dtype: torch.dtype) -> None:
     """Tiny splits and query blocks force LSE merging across many KV splits, including
     splits that lie entirely past some new tokens' causal limit (none of their keys)."""
-    from mla_backend.ops import torch_ops
+    from mla_backend.ops.torch_ops import Kernels
 
-    monkeypatch.setattr(torch_ops, "_MAX_TILE_ELEMENTS", 512)
-    monkeypatch.setattr(torch_ops, "_MIN_SPLIT_TOKENS", 8)
-    monkeypatch.setattr(torch_ops, "_MAX_QUERY_ROWS", 21)  # blocks of 7 new tokens (H=3)
+    # blocks of 7 new tokens (H=3)
+    impl = Kernels(max_tile_elements=512, min_split_tokens=8, max_query_rows=21)
     case = make_case(DIMS["odd"], [0, 37, 5], [60, 25, 1], 8, dtype=dtype, seed=5)
     q_lat = mb.absorb_q(case.q_nope, case.weights)
     _, lse_ref = mb.normal_attention(
-        case.q_nope, case.q_pe, case.kv_cache, case.batch, case.weights, 0.2
+        case.q_nope, case.q_pe, case.kv_cache, case.plan("normal"), case.weights, 0.2
     )
-    o_lat, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.batch, 0.2)
+    o_lat, lse = mb.absorbed_attention(
+        q_lat, case.q_pe, case.kv_cache, case.plan(impl=impl), 0.2
+    )
     assert torch.isfinite(o_lat).all()
     torch.testing.assert_close(
         lse,
@@ -227,22 +226,24 @@ def test_absorbed_many_kv_splits_with_causal_extends(
 
 def test_mla_attention_chunk_tokens_setting() -> None:
     case = make_case(DIMS["odd"], [50, 9], [4, 3], 8)
-    attn = mb.MLAAttention(case.dims, case.weights, policy=mb.Policy("normal"), chunk_tokens=5)
-    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.batch)
+    attn = mb.MLAAttention(case.dims, case.weights, chunk_tokens=5)
+    out = attn(case.q_nope, case.q_pe, case.kv_cache, case.plan("normal"))
     assert_close_to_oracle(out, case.oracle(), torch.float32)
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         mb.MLAAttention(case.dims, case.weights, chunk_tokens=0)
 
 
-def test_policy_plan_is_computed_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Layers sharing dims and policy reuse one decision per batch (per-step plan)."""
+def test_policy_decides_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy runs once, in plan(); every layer's call reads the plan's decision."""
     case = make_case(DIMS["lite"], [0, 300, 0], [200, 1, 3], 16, seed=11)
     policy = mb.Policy("cost")
     calls = []
     real = policy.choose
     monkeypatch.setattr(policy, "choose", lambda *a, **k: calls.append(1) or real(*a, **k))
-    layers = [mb.MLAAttention(case.dims, case.weights, policy=policy) for _ in range(3)]
-    outs = [attn(case.q_nope, case.q_pe, case.kv_cache, case.batch) for attn in layers]
-    assert len(calls) == 1 and layers[2].last_choice.batch_mode == "mixed"
+    plan = case.plan(policy)
+    layers = [mb.MLAAttention(case.dims, case.weights) for _ in range(3)]
+    outs = [attn(case.q_nope, case.q_pe, case.kv_cache, plan) for attn in layers]
+    assert len(calls) == 1 and plan.mode == "mixed" and plan.uses_normal
+    assert plan.absorbed.reqs == (1, 2) and plan.normal.reqs == (0,)
     for out in outs:
         assert_close_to_oracle(out, case.oracle(), torch.float32)

@@ -66,18 +66,49 @@ def test_batch_validation_names_values() -> None:
         mb.MLABatch.build([0], [1], torch.zeros(1, 1), 16)
 
 
-def test_batch_select_and_token_index() -> None:
+def test_plan_parts_and_rows() -> None:
+    """A split step: each path's part holds its requests, rows and int32 index tensors."""
     bt = torch.arange(12, dtype=torch.int32).view(3, 4)
     b = mb.MLABatch.build(torch.tensor([0, 5, 9]), [3, 1, 2], bt, 4)
     assert b.cu_new == [0, 3, 4, 6] and b.kv_lens == [3, 6, 11]
-    assert b.token_index([2, 0]) == [4, 5, 0, 1, 2]
-    s = b.select([2, 0])
-    assert s.prefix_lens == [9, 0] and torch.equal(s.block_table, bt[[2, 0]])
+    d = mb.MLADims(2, 8, 4, 2, 4)
+
+    class Split(mb.Policy):
+        def choose(self, batch, dims, device_type="cpu"):
+            return mb.PathChoice([False, True, True])
+
+    p = mb.plan(b, d, Split(), impl="torch")
+    assert p.mode == "mixed" and p.uses_normal and p.num_tokens == 6
+    assert p.normal.reqs == (0,) and p.absorbed.reqs == (1, 2)
+    assert p.absorbed.rows.tolist() == [3, 4, 5] and p.normal.rows.tolist() == [0, 1, 2]
+    assert p.absorbed.prefix_lens == (5, 9) and p.absorbed.cu_new == (0, 1, 3)
+    assert p.absorbed.kv_lens_t.dtype == torch.int32
+    assert p.absorbed.kv_lens_t.tolist() == [6, 11]
+    assert torch.equal(p.absorbed.block_table, bt[[1, 2]])
+    assert p.absorbed.pages == ((4, 5), (8, 9, 10)) and p.max_page_id == 10
+    whole = mb.plan(b, d, mb.Policy("absorb"), impl="torch")
+    assert whole.absorbed is whole.step and whole.step.rows is None and whole.normal is None
+
+
+def test_plan_refresh_in_place() -> None:
+    """refresh_ copies a new step's lengths and pages into the same tensors (CUDA-graph
+    replay reads fixed addresses)."""
+    d = mb.MLADims(2, 8, 4, 2, 4)
+    bt = torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32)
+    p = mb.plan(mb.MLABatch.build([4, 1], [1, 1], bt, 4, mb.Phase.DECODE), d, impl="torch")
+    ptr = p.step.kv_lens_t.data_ptr()
+    bt2 = torch.tensor([[3, 1, 5], [2, 4, 0]], dtype=torch.int32)
+    p.refresh_(mb.MLABatch.build([8, 4], [1, 1], bt2, 4, mb.Phase.DECODE))
+    assert p.step.kv_lens_t.data_ptr() == ptr and p.step.kv_lens_t.tolist() == [9, 5]
+    assert p.step.block_table.tolist() == [[3, 1, 5], [2, 4, 0]] and p.max_page_id == 5
+    with pytest.raises(ValueError, match="new_lens"):
+        p.refresh_(mb.MLABatch.build([8, 4], [2, 1], bt2, 4))
 
 
 def test_attention_rejects_bad_inputs() -> None:
     bt = torch.zeros(1, 2, dtype=torch.int32)
-    b = mb.MLABatch.build([0], [2], bt, 4)
+    d = mb.MLADims(1, 8, 4, 2, 4)
+    b = mb.plan(mb.MLABatch.build([0], [2], bt, 4), d)
     cache = torch.zeros(3, 4, 10)
     with pytest.raises(ValueError, match="int64"):
         mb.absorbed_attention(
@@ -85,18 +116,20 @@ def test_attention_rejects_bad_inputs() -> None:
         )
     with pytest.raises(ValueError, match="3 tokens|2 tokens"):
         mb.absorbed_attention(torch.zeros(3, 1, 8), torch.zeros(3, 1, 2), cache, b, 1.0)
-    with pytest.raises(ValueError, match="page size 4 != batch.page_size 8"):
+    with pytest.raises(ValueError, match="page size 4 != the plan's page_size 8"):
         mb.absorbed_attention(
             torch.zeros(2, 1, 8),
             torch.zeros(2, 1, 2),
             cache,
-            mb.MLABatch.build([0], [2], bt, 8),
+            mb.plan(mb.MLABatch.build([0], [2], bt, 8), d),
             1.0,
         )
-    with pytest.raises(ValueError, match="MLA_BACKEND_IMPL='cuda'"):
+    with pytest.raises(ValueError, match="MLAPlan .* got PlanPart"):
         mb.absorbed_attention(
-            torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), cache, b, 1.0, impl="cuda"
+            torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), cache, b.step, 1.0
         )
+    with pytest.raises(ValueError, match="MLA_BACKEND_IMPL='cuda'"):
+        mb.plan(mb.MLABatch.build([0], [2], bt, 4), d, impl="cuda")
 
 
 def test_batch_positions() -> None:
@@ -118,19 +151,25 @@ def test_out_of_range_page_ids_rejected_on_both_paths() -> None:
         bt = case.batch.block_table.clone()
         bt[0, 1] = bad  # a page request 0 uses (8 tokens at page size 4)
         b = mb.MLABatch.build(case.batch.prefix_lens, case.batch.new_lens, bt, 4)
+        if bad < 0:  # caught once, at plan time, from the host block table
+            with pytest.raises(ValueError, match=f"page id {bad}"):
+                mb.plan(b, case.dims)
+            continue
+        p = mb.plan(b, case.dims)
         with pytest.raises(ValueError, match=f"page id {bad} .* {num_pages} pages"):
-            mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, b, 1.0)
-        b = mb.MLABatch.build(case.batch.prefix_lens, case.batch.new_lens, bt, 4)
+            mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, p, 1.0)
         with pytest.raises(ValueError, match=f"page id {bad}"):
-            mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, b, case.weights, 1.0)
+            mb.normal_attention(case.q_nope, case.q_pe, case.kv_cache, p, case.weights, 1.0)
 
 
 def test_normal_path_rejects_mismatched_inputs() -> None:
     case = _small_case()
-    w, b = case.weights, case.batch
-    with pytest.raises(ValueError, match="does not match the weights"):
+    w, b = case.weights, case.plan("normal")
+    with pytest.raises(ValueError, match="queries have 1 heads but the plan's dims have 2"):
         mb.normal_attention(case.q_nope[:, :1], case.q_pe[:, :1], case.kv_cache, b, w, 1.0)
-    with pytest.raises(ValueError, match="5 tokens but the batch describes 4"):
+    with pytest.raises(ValueError, match="does not match the weights"):
+        mb.normal_attention(case.q_nope[..., :-1], case.q_pe, case.kv_cache, b, w, 1.0)
+    with pytest.raises(ValueError, match="5 tokens but the plan describes 4"):
         mb.normal_attention(
             torch.cat([case.q_nope, case.q_nope[:1]]),
             torch.cat([case.q_pe, case.q_pe[:1]]),
@@ -141,12 +180,17 @@ def test_normal_path_rejects_mismatched_inputs() -> None:
         )
     with pytest.raises(ValueError, match="float64"):
         mb.normal_attention(case.q_nope.double(), case.q_pe.double(), case.kv_cache, b, w, 1.0)
-    with pytest.raises(ValueError, match="page size 4 != batch.page_size 8"):
+    with pytest.raises(ValueError, match="page size 4 != the plan's page_size 8"):
         mb.normal_attention(
             case.q_nope,
             case.q_pe,
             case.kv_cache,
-            mb.MLABatch.build(b.prefix_lens, b.new_lens, b.block_table, 8),
+            mb.plan(
+                mb.MLABatch.build(
+                    case.batch.prefix_lens, case.batch.new_lens, case.batch.block_table, 8
+                ),
+                case.dims,
+            ),
             w,
             1.0,
         )
@@ -176,6 +220,6 @@ def test_more_bad_inputs_name_the_value() -> None:
     d = mb.MLADims(2, 8, 4, 2, 4)
     w = mb.split_kv_b_proj(torch.zeros(16, 8), d)
     with pytest.raises(ValueError, match="W_UV shape"):
-        mb.MLAAttention(mb.MLADims(2, 8, 4, 2, 6), mb.AbsorbWeights(w.W_UK, w.W_UV, w.kv_b))
+        mb.MLAAttention(mb.MLADims(2, 8, 4, 2, 6), mb.AbsorbWeights(w.W_UK, w.W_UV))
     with pytest.raises(ValueError, match="'factor'"):
         mb.yarn_softmax_scale(d, {"type": "yarn"})

@@ -102,7 +102,8 @@ def test_fp8_weight_dequantized(scale_kind: str) -> None:
         q = (w / full).to(mb.FP8_DTYPE)
         scale, deq = blocks, q.float() * full
     s = mb.split_kv_b_proj(q, d, weight_scale=scale, dtype=torch.float32)
-    torch.testing.assert_close(s.kv_b, deq)
+    H_deq = deq.view(2, 128, 256)
+    torch.testing.assert_close(s.W_UV, H_deq[:, 64:].transpose(1, 2))
     torch.testing.assert_close(s.W_UK, deq.view(2, 128, 256)[:, :64])
 
 
@@ -129,8 +130,10 @@ def test_fp8_block_scale_with_partial_blocks() -> None:
     row_scale = torch.cat([blocks[0].expand(128), blocks[1].expand(128), blocks[2].expand(44)])
     q = (w / row_scale[:, None]).clamp(-448, 448).to(mb.FP8_DTYPE)
     s = mb.split_kv_b_proj(q, d, weight_scale=blocks, dtype=torch.float32)
-    torch.testing.assert_close(s.kv_b, q.float() * row_scale[:, None])
+    full = (q.float() * row_scale[:, None]).view(3, 100, 64)
+    torch.testing.assert_close(s.W_UK, full[:, :50])
+    torch.testing.assert_close(s.W_UV, full[:, 50:].transpose(1, 2))
     s2 = mb.split_kv_b_proj(
         q, d, weight_scale=torch.ones(10, 1), dtype=torch.float32, weight_block_size=(30, 64)
     )
-    torch.testing.assert_close(s2.kv_b, q.float())
+    torch.testing.assert_close(s2.W_UK, q.float().view(3, 100, 64)[:, :50])

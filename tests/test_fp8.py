@@ -30,8 +30,8 @@ def test_fp8_absorbed_layer_close_to_bf16() -> None:
     case = make_case(DIMS["lite"], [100, 3], [1, 5], 16, dtype=torch.bfloat16)
     w8 = mb.split_kv_b_proj(case.kv_b.to(torch.bfloat16), case.dims, keep_fp8=True)
     assert w8.fp8 and w8.W_UK.dtype == mb.FP8_DTYPE
-    attn8 = mb.MLAAttention(case.dims, w8, policy=mb.Policy("absorb"))
-    out = attn8(case.q_nope, case.q_pe, case.kv_cache, case.batch).float()
+    attn8 = mb.MLAAttention(case.dims, w8)
+    out = attn8(case.q_nope, case.q_pe, case.kv_cache, case.plan("absorb")).float()
     ref = case.oracle()
     rel = (out - ref).norm() / ref.norm()
     assert rel < 0.08, rel

@@ -21,16 +21,22 @@ probabilities are still rounded to bf16 before ``P @ V`` as on a GPU.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import fp8 as _fp8
-from ..batch import MLABatch
+from ..ops.torch_ops import Kernels as TorchKernels
 from .triton_kernels import heuristics as hx
 from .triton_kernels.attention import absorbed_attn_kernel, merge_splits_kernel
 from .triton_kernels.cache_write import write_latent_kernel
+
+if TYPE_CHECKING:
+    from ..dims import MLADims
+    from ..plan import PlanPart
 
 _TL_DTYPE = {
     torch.float32: tl.float32,
@@ -144,33 +150,14 @@ def _resolve_fp8_mode(mode: str | None, device: torch.device) -> str:
     return mode
 
 
-def _query_blocks(batch: MLABatch, block_q: int, device: torch.device) -> torch.Tensor:
-    """[2, num_q_blocks] int32 on ``device``: (request, first new token) of each query block.
-
-    Cached on the batch (per layer calls reuse it: one host->device copy per step).
-    """
-    key = ("triton_qblocks", str(device), block_q)
-    cache = batch._device_cache
-    if key not in cache:
-        reqs: list[int] = []
-        starts: list[int] = []
-        for i, n in enumerate(batch.new_lens):
-            for q0 in range(0, n, block_q):
-                reqs.append(i)
-                starts.append(q0)
-        cache[key] = torch.tensor([reqs, starts], dtype=torch.int32, device=device)
-    return cache[key]
-
-
 def absorbed_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
     kv_cache: torch.Tensor,
-    batch: MLABatch,
+    part: PlanPart,
     softmax_scale: float,
     kv_scale: torch.Tensor | None = None,
     *,
-    num_kv_splits: int | None = None,
     block_n: int | None = None,
     fp8_mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,10 +168,10 @@ def absorbed_attention(
         q_pe: [T, H, rope] rotated rope query (rope may be 0).
         kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn; holds every
             request's ``prefix_lens[i] + new_lens[i]`` tokens.
-        batch: the step's :class:`MLABatch` (T == batch.num_tokens).
+        part: the plan's requests (T == part.num_tokens); its work partition gives the query
+            blocks and the split count.
         softmax_scale: applied to ``q·k``.
         kv_scale: float32 scalar: cached values are ``stored * kv_scale`` (fp8 caches).
-        num_kv_splits: force the split count (default: :func:`heuristics.choose_num_splits`).
         block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
         fp8_mode: ``"native"`` (Triton's e4m3 conversion) or ``"bits"`` (integer decode of
             the bytes); default: :func:`fp8_mode` of the device.
@@ -201,8 +188,8 @@ def absorbed_attention(
         raise ValueError(
             f"q_pe shape {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}"
         )
-    if T != batch.num_tokens:
-        raise ValueError(f"q_lat has {T} tokens but the batch has {batch.num_tokens}")
+    if T != part.num_tokens:
+        raise ValueError(f"q_lat has {T} tokens but the plan part has {part.num_tokens}")
     if q_lat.dtype not in _TL_DTYPE:
         raise ValueError(f"q_lat dtype {q_lat.dtype} is not supported")
     if kv_cache.dtype not in _CACHE_DTYPES:
@@ -219,28 +206,19 @@ def absorbed_attention(
     q_lat = _last_dim_contiguous(q_lat)
     q_pe = _last_dim_contiguous(q_pe.to(cd)) if rope else q_lat
 
-    block_q, block_h = hx.attention_tiles(H, max(batch.new_lens))
+    work = part.work
+    block_q = work.block_q
+    block_h = hx.attention_tiles(H, block_q)[1]
     block_r = hx.dim_block(r)
     block_rope = hx.dim_block(rope)
     if block_n is None:
         block_n = hx.kv_block(block_r)
     if block_n < hx.MIN_DOT_DIM or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two >= {hx.MIN_DOT_DIM}")
-    qblocks = _query_blocks(batch, block_q, device)
-    num_q_blocks = qblocks.shape[1]
+    num_q_blocks = work.q_block_req.shape[0]
     num_h_blocks = triton.cdiv(H, block_h)
-    if num_kv_splits is None:
-        num_kv_splits = hx.choose_num_splits(
-            num_q_blocks * num_h_blocks, batch.max_kv_len, hx.sm_count(device)
-        )
-    if num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
-    meta = batch.device_tensors(device)
-    block_table = batch.block_table
-    if block_table.device != device:
-        block_table = block_table.to(device)
-    if block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
+    num_kv_splits = work.num_kv_splits
+    block_table = part.block_table
 
     if num_kv_splits == 1:
         out, out_lse = o_lat, lse
@@ -266,18 +244,18 @@ def absorbed_attention(
         q_pe,
         kv_arg,
         block_table,
-        meta["prefix_lens"],
-        meta["new_lens"],
-        meta["cu_new"],
-        qblocks[0],
-        qblocks[1],
+        part.prefix_lens_t,
+        part.new_lens_t,
+        part.cu_new_t,
+        work.q_block_req,
+        work.q_block_start,
         scale,
         out,
         out_lse,
         H,
         r,
         rope,
-        batch.page_size,
+        kv_cache.shape[1],
         num_kv_splits,
         float(softmax_scale) * _LOG2E,
         q_lat.stride(0),
@@ -327,3 +305,62 @@ def absorbed_attention(
             num_warps=4,
         )
     return o_lat, lse
+
+
+class Kernels(TorchKernels):
+    """The Triton implementation of :class:`mla_backend.ops.KernelImpl`: cache write and
+    absorbed attention in Triton; the normal path's cache reads and MHA from the torch
+    implementation (torch's fused SDPA).
+
+    Tuning knobs (keyword arguments; tests use them to force paths):
+        num_kv_splits: force the split count (default :func:`heuristics.choose_num_splits`).
+        block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
+        fp8_mode: ``"native"`` or ``"bits"`` e4m3 conversion (default :func:`fp8_mode`).
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        *,
+        num_kv_splits: int | None = None,
+        block_n: int | None = None,
+        fp8_mode: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_kv_splits is not None and num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
+        self.num_kv_splits = num_kv_splits
+        self.block_n = block_n
+        self.fp8_mode = fp8_mode
+
+    def __repr__(self) -> str:
+        return (
+            f"triton_ops.Kernels(num_kv_splits={self.num_kv_splits}, block_n={self.block_n}, "
+            f"fp8_mode={self.fp8_mode})"
+        )
+
+    def work_shape(
+        self,
+        dims: MLADims,
+        new_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        device: torch.device,
+    ) -> tuple[int, int]:
+        block_q, block_h = hx.attention_tiles(dims.num_heads, max(new_lens, default=1))
+        if self.num_kv_splits is not None:
+            return block_q, self.num_kv_splits
+        q_blocks = sum(-(-n // block_q) for n in new_lens)
+        programs = q_blocks * triton.cdiv(dims.num_heads, block_h)
+        return block_q, hx.choose_num_splits(
+            programs, max(kv_lens, default=0), hx.sm_count(device)
+        )
+
+    def write_latent(self, kv_cache, c_kv, k_pe, slot_mapping, kv_scale) -> None:
+        write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale, fp8_mode=self.fp8_mode)
+
+    def absorbed_attention(self, q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale):
+        return absorbed_attention(
+            q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale,
+            block_n=self.block_n, fp8_mode=self.fp8_mode,
+        )

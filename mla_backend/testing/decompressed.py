@@ -35,7 +35,7 @@ class DecompressedCache:
 
     def append(self, req: int, latent: torch.Tensor, weights: AbsorbWeights, nope: int) -> None:
         """Decompress latent rows [L, r + rope] of request ``req`` and append them."""
-        k, v = decompress(latent.to(self.k.dtype), weights, nope, self.k.dtype)
+        k, v = decompress(latent.to(self.k.dtype), weights, self.k.dtype)
         s, L = self.lens[req], latent.shape[0]
         if s + L > self.k.shape[2]:
             raise ValueError(f"request {req}: {s + L} tokens exceed capacity {self.k.shape[2]}")

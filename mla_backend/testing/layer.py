@@ -20,6 +20,7 @@ from torch import nn
 from ..attention import MLAAttention, write_latent
 from ..batch import MLABatch
 from ..dims import MLADims, yarn_softmax_scale
+from ..plan import plan as make_plan
 from ..policy import Policy
 from ..weights import AbsorbWeights, split_kv_b_proj
 from .decompressed import DecompressedCache, cd_attention
@@ -86,9 +87,7 @@ class MLALayer(nn.Module):
         w = self.kv_b_proj.weight
         key = (w.data_ptr(), w._version, w.dtype, w.device)
         if self._attn is None or self._attn_key != key:
-            self._attn = MLAAttention(
-                self.dims, self.absorb_weights(), self.softmax_scale, self.policy
-            )
+            self._attn = MLAAttention(self.dims, self.absorb_weights(), self.softmax_scale)
             self._attn_key = key
         return self._attn
 
@@ -125,7 +124,8 @@ class MLALayer(nn.Module):
             raise ValueError("this layer is the CD variant: call forward_cd")
         q_nope, q_pe, c_kv, k_pe = self.project(hidden, batch.positions(hidden.device))
         write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
-        o = self.attention()(q_nope, q_pe, kv_cache, batch, kv_scale)
+        step = make_plan(batch, self.dims, self.policy, hidden.device)
+        o = self.attention()(q_nope, q_pe, kv_cache, step, kv_scale)
         return self.o_proj(o.reshape(o.shape[0], -1))
 
     def forward_cd(

@@ -1,0 +1,314 @@
+"""The per-step plan: everything the per-layer run needs, made once per step from host data.
+
+``plan(batch, dims, policy)`` is called once per engine step (FlashMLA's
+``get_mla_metadata`` / FlashInfer's ``plan``). It makes the policy's decision per request,
+splits the step into the requests each path serves, builds every index tensor the kernels read
+(int32 block table, kv lengths, query starts, the query-block x KV-split work partition) on the
+target device, and validates page ids from host data the engine already has. The per-layer
+calls (:func:`mla_backend.absorbed_attention`, :func:`mla_backend.normal_attention`,
+:class:`mla_backend.MLAAttention`) take the plan and read no tensor data on the host, so the
+GPU path has no device-to-host sync and can be captured or traced.
+
+CUDA-graph replay needs the plan's tensors at fixed addresses: :meth:`MLAPlan.refresh_` copies
+a new step's index tensors into an existing plan of the same shape (same requests, pages and
+query counts; the lengths may change) instead of making new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .batch import MLABatch, Phase
+from .dims import MLADims
+from .ops import KernelImpl, get_impl
+from .policy import PathChoice, Policy
+
+
+@dataclass(frozen=True)
+class WorkPartition:
+    """How a kernel call is cut into independent programs: query blocks x KV splits.
+
+    Attributes:
+        block_q: new tokens of one request per query block.
+        q_block_req: [W] int32, the request (index within the part) of each query block.
+        q_block_start: [W] int32, its first new token (0-based within the request).
+        num_kv_splits: KV splits per query block (their partial results are merged by LSE).
+    """
+
+    block_q: int
+    q_block_req: torch.Tensor
+    q_block_start: torch.Tensor
+    num_kv_splits: int
+
+
+@dataclass(frozen=True, eq=False)
+class PlanPart:
+    """The requests of one step that one kernel call serves: the whole step, or the share of
+    one path in a step the policy splits. Query rows are packed in request order.
+
+    Host data (python ints; sizes outputs and drives the torch path's loops):
+        reqs: indices of the part's requests in the step.
+        prefix_lens: per request, tokens cached before this step.
+        new_lens: per request, query tokens in this step.
+        cu_new: [n + 1] prefix sums of ``new_lens``: request i owns rows cu_new[i]:cu_new[i+1]
+            of the part's query tensors.
+        pages: per request, the physical ids of the pages it uses (from the host block
+            table), or None when the engine gave no host copy of the block table.
+    Device data (int32, on the plan's device):
+        rows: [num_tokens] int64 rows of the step's packed queries that belong to this part,
+            or None when the part is the whole step (all rows, in order).
+        block_table: [n, max_pages] physical page of each logical page (the engine's width:
+            a fixed capacity, so a refreshed plan keeps its addresses).
+        kv_lens_t: [n] prefix + new tokens.
+        prefix_lens_t / new_lens_t: [n]; cu_new_t: [n + 1].
+        work: the kernels' work partition.
+    """
+
+    reqs: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    new_lens: tuple[int, ...]
+    cu_new: tuple[int, ...]
+    pages: tuple[tuple[int, ...], ...] | None
+    rows: torch.Tensor | None
+    block_table: torch.Tensor
+    kv_lens_t: torch.Tensor
+    prefix_lens_t: torch.Tensor
+    new_lens_t: torch.Tensor
+    cu_new_t: torch.Tensor
+    work: WorkPartition
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_new[-1]
+
+    @property
+    def kv_lens(self) -> tuple[int, ...]:
+        return tuple(p + n for p, n in zip(self.prefix_lens, self.new_lens, strict=True))
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens, default=0)
+
+    @property
+    def max_new_len(self) -> int:
+        return max(self.new_lens, default=0)
+
+
+@dataclass(frozen=True, eq=False)
+class MLAPlan:
+    """One step, planned: made by :func:`plan`, read by every layer's attention call.
+
+    Attributes:
+        dims: the layers' MLA dims (heads on this rank).
+        page_size: tokens per cache page.
+        phase: the step's :class:`Phase`.
+        impl: the kernel implementation serving the plan's device (the device seam).
+        device: where the plan's tensors live (the queries' and cache's device).
+        choice: the policy's decision per request (absorbed or normal).
+        step: the whole step (every request), for callers that run one path on all of it.
+        absorbed: the requests the policy sends to the absorbed path (None if none).
+        normal: the requests the policy sends to the normal path (None if none).
+        max_page_id: the largest page id any request uses (-1 if unknown): the run checks
+            the cache has more pages than this, from its shape alone.
+    """
+
+    dims: MLADims
+    page_size: int
+    phase: Phase
+    impl: KernelImpl
+    device: torch.device
+    choice: PathChoice
+    step: PlanPart
+    absorbed: PlanPart | None
+    normal: PlanPart | None
+    max_page_id: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.step.num_reqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
+
+    @property
+    def mode(self) -> str:
+        """``"absorbed"``, ``"normal"`` or ``"mixed"`` (the policy split the step)."""
+        return self.choice.batch_mode
+
+    @property
+    def uses_normal(self) -> bool:
+        """SGLang's ``no_absorb()`` question: does any request of the step go normal? Then the
+        step needs the engine's normal (MHA) call, where the core serves both paths."""
+        return self.mode != "absorbed"
+
+    def refresh_(self, batch: MLABatch) -> None:
+        """Copy a new step's lengths and block table into this plan's tensors in place (the
+        addresses a captured CUDA graph reads). The step keeps the policy's decision, the
+        requests' query counts and the work partition; its lengths and pages may change, and
+        its block table must fit the plan's columns. Anything else needs a new plan."""
+        if tuple(batch.new_lens) != self.step.new_lens or batch.page_size != self.page_size:
+            raise ValueError(
+                "refresh_ keeps query counts and page size fixed: the plan has new_lens="
+                f"{list(self.step.new_lens)}, page_size={self.page_size}; the batch has "
+                f"new_lens={batch.new_lens}, page_size={batch.page_size}"
+            )
+        fresh = _build(batch, self.dims, self.choice, self.impl, self.device)
+        pairs = ((self.step, fresh.step), (self.absorbed, fresh.absorbed),
+                 (self.normal, fresh.normal))
+        for old, new in pairs:
+            if old is None or new is None or old is new:
+                continue
+            cols = new.block_table.shape[1]
+            if cols > old.block_table.shape[1]:
+                raise ValueError(
+                    f"the new step needs {cols} block-table columns; the plan has "
+                    f"{old.block_table.shape[1]}"
+                )
+            old.block_table.zero_()
+            old.block_table[:, :cols].copy_(new.block_table)
+            for name in ("kv_lens_t", "prefix_lens_t", "new_lens_t", "cu_new_t"):
+                getattr(old, name).copy_(getattr(new, name))
+            object.__setattr__(old, "prefix_lens", new.prefix_lens)
+            object.__setattr__(old, "pages", new.pages)
+        object.__setattr__(self, "max_page_id", fresh.max_page_id)
+
+
+def _int32(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+
+def _host_pages(
+    table_host: torch.Tensor | None, reqs: Sequence[int], kv_lens: Sequence[int], page_size: int
+) -> tuple[tuple[int, ...], ...] | None:
+    if table_host is None:
+        return None
+    rows = table_host.tolist()  # a host tensor: no device sync
+    return tuple(
+        tuple(rows[i][: -(-L // page_size)]) for i, L in zip(reqs, kv_lens, strict=True)
+    )
+
+
+def _part(
+    batch: MLABatch,
+    reqs: Sequence[int],
+    whole: bool,
+    dims: MLADims,
+    impl: KernelImpl,
+    device: torch.device,
+) -> PlanPart:
+    prefix = tuple(batch.prefix_lens[i] for i in reqs)
+    new = tuple(batch.new_lens[i] for i in reqs)
+    kv = tuple(p + n for p, n in zip(prefix, new, strict=True))
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    ps = batch.page_size
+    table = batch.block_table
+    if whole:
+        table = table[: len(reqs)]
+    else:
+        table = table.index_select(0, torch.tensor(list(reqs), device=table.device))
+    table = table.to(device=device, dtype=torch.int32).contiguous()
+    rows = None
+    if not whole:
+        idx = [t for i in reqs for t in range(batch.cu_new[i], batch.cu_new[i + 1])]
+        rows = torch.tensor(idx, dtype=torch.long, device=device)
+    block_q, splits = impl.work_shape(dims, new, kv, device)
+    q_req = [i for i, n in enumerate(new) for _ in range(0, n, block_q)]
+    q_start = [q0 for n in new for q0 in range(0, n, block_q)]
+    work = WorkPartition(block_q, _int32(q_req, device), _int32(q_start, device), splits)
+    return PlanPart(
+        reqs=tuple(reqs),
+        prefix_lens=prefix,
+        new_lens=new,
+        cu_new=tuple(cu),
+        pages=_host_pages(batch.host_block_table(), reqs, kv, ps),
+        rows=rows,
+        block_table=table,
+        kv_lens_t=_int32(kv, device),
+        prefix_lens_t=_int32(prefix, device),
+        new_lens_t=_int32(new, device),
+        cu_new_t=_int32(cu, device),
+        work=work,
+    )
+
+
+def plan(
+    batch: MLABatch,
+    dims: MLADims,
+    policy: Policy | None = None,
+    device: torch.device | str | None = None,
+    impl: str | KernelImpl | None = None,
+) -> MLAPlan:
+    """Plan one step: the policy's decision, the requests of each path and the kernels' index
+    tensors. Call once per step; every layer's attention call takes the result.
+
+    Args:
+        batch: the step (:meth:`MLABatch.build`).
+        dims: the layers' MLA dims (all layers of a model share them).
+        policy: absorbed-vs-normal policy; default :meth:`Policy.from_env`.
+        device: where queries and cache live; default the block table's device.
+        impl: kernel implementation: a name (``torch``, ``native``, ``triton``) or an instance
+            (tuning knobs are its keyword arguments); default ``MLA_BACKEND_IMPL`` or the
+            device's choice (:func:`mla_backend.ops.get_impl`).
+    Returns:
+        the step's :class:`MLAPlan`.
+    Raises:
+        ValueError: a request uses a negative page id (checked on the host block table when
+            the engine gave one).
+    """
+    if not isinstance(batch, MLABatch):
+        raise ValueError(f"plan() takes an MLABatch, got {type(batch).__name__}")
+    if not isinstance(dims, MLADims):
+        raise ValueError(f"plan() takes MLADims, got {type(dims).__name__}")
+    dev = torch.device(device) if device is not None else batch.block_table.device
+    kernels = get_impl(dev, impl)
+    policy = policy if policy is not None else Policy.from_env()
+    return _build(batch, dims, policy.choose(batch, dims, dev.type), kernels, dev)
+
+
+def _build(
+    batch: MLABatch, dims: MLADims, choice: PathChoice, kernels: KernelImpl, dev: torch.device
+) -> MLAPlan:
+    all_reqs = list(range(batch.num_reqs))
+    step = _part(batch, all_reqs, True, dims, kernels, dev)
+    absorbed = normal = None
+    mode = choice.batch_mode
+    if mode == "absorbed":
+        absorbed = step
+    elif mode == "normal":
+        normal = step
+    else:
+        a = [i for i in all_reqs if choice.use_absorbed[i]]
+        n = [i for i in all_reqs if not choice.use_absorbed[i]]
+        absorbed = _part(batch, a, False, dims, kernels, dev)
+        normal = _part(batch, n, False, dims, kernels, dev)
+    max_page = -1
+    if step.pages is not None:
+        used = [p for req in step.pages for p in req]
+        if used:
+            if min(used) < 0:
+                raise ValueError(
+                    f"block_table holds page id {min(used)} for a used page; page ids are >= 0"
+                )
+            max_page = max(used)
+    return MLAPlan(
+        dims=dims,
+        page_size=batch.page_size,
+        phase=batch.phase,
+        impl=kernels,
+        device=dev,
+        choice=choice,
+        step=step,
+        absorbed=absorbed,
+        normal=normal,
+        max_page_id=max_page,
+    )
