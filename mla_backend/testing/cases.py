@@ -1,0 +1,129 @@
+"""Shared test cases: random MLA problems laid out in a shuffled paged latent cache, with the
+oracle's answer. Used by the core, native, Triton and engine backend tests alike."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+import mla_backend as mb
+
+from .reference import reference_mla_attention
+
+# (H, r, nope, rope, v): tiny, odd (non power of two, v != nope), no rope, DeepSeek-V2-Lite.
+DIMS = {
+    "tiny": mb.MLADims(2, 16, 8, 4, 8),
+    "odd": mb.MLADims(3, 40, 12, 6, 20),
+    "norope": mb.MLADims(4, 32, 16, 0, 16),
+    "lite": mb.MLADims(16, 512, 128, 64, 128),
+}
+
+
+@dataclass
+class Case:
+    dims: mb.MLADims
+    kv_cache: torch.Tensor
+    kv_scale: torch.Tensor | None
+    batch: mb.MLABatch
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    c_kv: list[torch.Tensor]  # per request [L, r], the values actually stored (after fp8)
+    k_pe: list[torch.Tensor]
+    kv_b: torch.Tensor  # [H*(nope+v), r] fp32
+    weights: mb.AbsorbWeights
+
+    def plan(self, policy: str | mb.Policy = "absorb", impl: object = None) -> mb.MLAPlan:
+        """The step's plan under ``policy`` (a mode name or a Policy)."""
+        pol = mb.Policy(policy) if isinstance(policy, str) else policy
+        return mb.plan(self.batch, self.dims, pol, impl=impl)
+
+    def oracle(self, scale: float | None = None) -> torch.Tensor:
+        return reference_mla_attention(
+            self.q_nope,
+            self.q_pe,
+            self.c_kv,
+            self.k_pe,
+            self.kv_b,
+            self.dims.qk_nope_head_dim,
+            self.dims.v_head_dim,
+            self.batch.new_lens,
+            scale,
+        )
+
+
+def make_case(
+    dims: mb.MLADims,
+    prefix_lens: list[int],
+    new_lens: list[int],
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    phase: mb.Phase = mb.Phase.MIXED,
+    spare_pages: int = 3,
+) -> Case:
+    """Random latents written through ``write_latent`` into shuffled physical pages (page 0
+    is left unused, like vLLM's null block; unwritten rows hold NaN), padding slots (-1)
+    mixed into the slot mapping."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    r, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
+    cache_dtype = cache_dtype or dtype
+    pages_needed = [-(-(p + n) // page_size) for p, n in zip(prefix_lens, new_lens)]
+    num_pages = sum(pages_needed) + spare_pages + 1
+    perm = list(range(1, num_pages))
+    rng.shuffle(perm)
+    max_pages = max(pages_needed + [1]) + 1
+    block_table = torch.zeros(len(prefix_lens), max_pages, dtype=torch.int32)
+    # never-written cache memory holds NaN: any read outside a request's rows shows up
+    kv_cache = torch.full((num_pages, page_size, r + rope), float("nan")).to(cache_dtype)
+    kv_scale = torch.tensor(0.02, dtype=torch.float32) if cache_dtype == mb.FP8_DTYPE else None
+    c_seqs, p_seqs = [], []
+    k = 0
+    for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
+        L = p + n
+        block_table[i, : pages_needed[i]] = torch.tensor(perm[k : k + pages_needed[i]])
+        k += pages_needed[i]
+        c = torch.randn(L, r, generator=g).to(dtype)
+        kp = torch.randn(L, rope, generator=g).to(dtype)
+        slots = torch.tensor(
+            [int(block_table[i, t // page_size]) * page_size + t % page_size for t in range(L)]
+        )
+        # interleave padding slots that must never be written
+        pad = torch.full((2,), -1)
+        mb.write_latent(
+            kv_cache,
+            torch.cat([c, torch.full((2, r), 99.0).to(dtype)]),
+            torch.cat([kp, torch.full((2, rope), 99.0).to(dtype)]),
+            torch.cat([slots, pad]),
+            kv_scale,
+        )
+        if kv_scale is not None:  # the oracle sees what the cache holds
+            stored = torch.cat([c, kp], -1).float() / kv_scale
+            deq = stored.clamp(-448, 448).to(mb.FP8_DTYPE).float() * kv_scale
+            c, kp = deq[:, :r], deq[:, r:]
+        c_seqs.append(c)
+        p_seqs.append(kp)
+    T = sum(new_lens)
+    H = dims.num_heads
+    q_nope = (torch.randn(T, H, dims.qk_nope_head_dim, generator=g)).to(dtype)
+    q_pe = torch.randn(T, H, rope, generator=g).to(dtype)
+    kv_b = torch.randn(H * (dims.qk_nope_head_dim + dims.v_head_dim), r, generator=g) / r**0.5
+    kv_b = kv_b.to(dtype).float()
+    weights = mb.split_kv_b_proj(kv_b.to(dtype), dims)
+    batch = mb.MLABatch.build(prefix_lens, new_lens, block_table, page_size, phase)
+    return Case(dims, kv_cache, kv_scale, batch, q_nope, q_pe, c_seqs, p_seqs, kv_b, weights)
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def assert_close_to_oracle(
+    out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, factor: float = 1.0
+) -> None:
+    """Max error relative to the oracle's scale (outputs are O(1) by construction)."""
+    err = (out.float() - ref).abs().max().item()
+    bound = TOL[dtype] * factor * max(1.0, ref.abs().max().item())
+    assert err <= bound, f"max error {err:.3e} > {bound:.3e} ({dtype})"
