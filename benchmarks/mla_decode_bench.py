@@ -21,13 +21,14 @@ from common import paged_latents, random_weights, write_table  # noqa: E402
 from roofline import best_time, peak_bf16_flops, read_bandwidth  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
+from mla_backend.ops import impl_name  # noqa: E402
 from mla_backend.testing.decompressed import DecompressedCache, cd_attention  # noqa: E402
 
 DT = torch.bfloat16
 
 
 def run(heads: int, batch: int, L: int, peak: float, bw: float, cd_budget: float,
-        page_size: int) -> list[str]:
+        page_size: int, impls: list[str]) -> list[str]:
     dims = mb.MLADims(heads, 512, 128, 64, 128)
     w = random_weights(dims, DT)
     scale = dims.default_softmax_scale
@@ -36,10 +37,15 @@ def run(heads: int, batch: int, L: int, peak: float, bw: float, cd_budget: float
     q_pe = torch.randn(batch, heads, 64, generator=g).to(DT)
     cache, table = paged_latents(dims, [L] * batch, page_size, DT)
     b = mb.MLABatch.build([L - 1] * batch, [1] * batch, table, page_size, mb.Phase.DECODE)
-    attn = mb.MLAAttention(dims, w, scale, mb.Policy("absorb"))
+    plans = {i: mb.plan(b, dims, mb.Policy("absorb"), impl=i) for i in impls}
+    attn = mb.MLAAttention(dims, w, scale)
     q_lat = mb.absorb_q(q_nope, w)
-    t_abs = best_time(lambda: attn.absorbed(q_nope, q_pe, cache, b), repeat=3)
-    t_core = best_time(lambda: mb.absorbed_attention(q_lat, q_pe, cache, b, scale), repeat=3)
+    t_cores = {}
+    for i in impls:  # interleaved with the full layer of the first impl
+        t_cores[i] = best_time(
+            lambda: mb.absorbed_attention(q_lat, q_pe, cache, plans[i], scale), repeat=3
+        )
+    t_abs = best_time(lambda: attn(q_nope, q_pe, cache, plans[impls[0]]), repeat=3)
     cd_bytes = batch * L * dims.decompressed_bytes_per_token(2)
     if cd_bytes <= cd_budget:
         cd = DecompressedCache(heads, 192, 128, L, batch, DT)
@@ -55,9 +61,13 @@ def run(heads: int, batch: int, L: int, peak: float, bw: float, cd_budget: float
     flops = 2 * heads * L * (2 * 512 + 64) * batch
     nbytes = L * 576 * 2 * batch
     roof = max(flops / peak, nbytes / bw)
-    return [str(heads), str(batch), str(L), cd_ms, f"{t_abs * 1e3:.2f}", speedup,
-            f"{t_core * 1e3:.2f}", f"{flops / t_core / 1e9:.0f}",
-            f"{nbytes / t_core / 1e9:.1f}", f"{roof / t_core:.0%}"]
+    row = [str(heads), str(batch), str(L), cd_ms, f"{t_abs * 1e3:.2f}", speedup]
+    for i in impls:
+        t_core = t_cores[i]
+        row += [f"{t_core * 1e3:.2f}", f"{flops / t_core / 1e9:.0f}", f"{roof / t_core:.0%}"]
+    if len(impls) > 1:
+        row.append(f"{t_cores[impls[1]] / t_cores[impls[0]]:.2f}x")
+    return row
 
 
 def main() -> None:
@@ -69,29 +79,35 @@ def main() -> None:
     ap.add_argument("--cd-budget-gib", type=float, default=6.0,
                     help="skip CD shapes whose decompressed cache exceeds this")
     ap.add_argument("--quick", action="store_true", help="4K only, for a smoke run")
+    ap.add_argument("--impls", default="native,torch",
+                    help="kernel implementations to time side by side (first = full layer)")
     args = ap.parse_args()
     torch.manual_seed(0)
     lens = [4096] if args.quick else [int(x) for x in args.lens.split(",")]
+    # an implementation that cannot run here (native without a compiler) falls back to torch
+    impls = [i for i in args.impls.split(",") if impl_name(torch.device("cpu"), i) == i]
     peak, bw = peak_bf16_flops(), read_bandwidth()
     rows = []
     for h in (int(x) for x in args.heads.split(",")):
         for bsz in (int(x) for x in args.batches.split(",")):
             for L in lens:
                 rows.append(run(h, bsz, L, peak, bw, args.cd_budget_gib * 2**30,
-                                args.page_size))
+                                args.page_size, impls))
                 print(" ".join(rows[-1]), flush=True)
     write_table(
         "mla_decode",
-        ["H", "batch", "kv len", "CD ms", "absorbed ms", "speedup", "core ms", "core GFLOP/s",
-         "core GB/s", "roofline"],
+        ["H", "batch", "kv len", "CD ms", "absorbed ms", "speedup"]
+        + [f"{i} {c}" for i in impls for c in ("core ms", "GFLOP/s", "roofline")]
+        + ([f"{impls[0]} vs {impls[1]}"] if len(impls) > 1 else []),
         rows,
         [f"bf16; page size {args.page_size}, shuffled pages; r=512, rope=64, nope=v=128",
          f"measured peak bf16 GEMM {peak / 1e12:.3f} TFLOP/s, matmul read bandwidth "
          f"{bw / 1e9:.2f} GB/s",
          "KV bytes/token/layer: latent 1152 (bf16); CD H*(192+128)*2 = 81920 at H=128, "
          "10240 at H=16",
-         "absorbed = absorb_q + attention + W_UV; core = attention only (roofline column: "
-         "min(peak, intensity x bandwidth) / achieved)"],
+         f"absorbed = absorb_q + attention + W_UV ({impls[0]} kernels); core = attention "
+         "only, per kernel implementation (roofline: min(peak, intensity x bandwidth) / "
+         "achieved time)"],
     )
 
 

@@ -35,7 +35,7 @@ def main() -> None:
     for h in (int(x) for x in args.heads.split(",")):
         dims = mb.MLADims(h, 512, 128, 64, 128)
         w = random_weights(dims, DT)
-        attn = mb.MLAAttention(dims, w, policy=policy)
+        attn = mb.MLAAttention(dims, w)
         for P in prefixes:
             for N in news:
                 cache, table = paged_latents(dims, [P + N], 64, DT)
@@ -43,9 +43,11 @@ def main() -> None:
                 g = torch.Generator().manual_seed(0)
                 qn = torch.randn(N, h, 128, generator=g).to(DT)
                 qp = torch.randn(N, h, 64, generator=g).to(DT)
-                ta = best_time(lambda: attn.absorbed(qn, qp, cache, b), repeat=3)
-                tn = best_time(lambda: attn.normal(qn, qp, cache, b), repeat=3)
-                picked = "absorbed" if policy.choose(b, dims).use_absorbed[0] else "normal"
+                pa = mb.plan(b, dims, mb.Policy("absorb"))
+                pn = mb.plan(b, dims, mb.Policy("normal"))
+                ta = best_time(lambda: attn(qn, qp, cache, pa), repeat=3)
+                tn = best_time(lambda: attn(qn, qp, cache, pn), repeat=3)
+                picked = mb.plan(b, dims, policy).mode
                 faster = "absorbed" if ta <= tn else "normal"
                 close = abs(ta - tn) / min(ta, tn) < 0.1  # within noise: either is right
                 ok = picked == faster or close
