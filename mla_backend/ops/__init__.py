@@ -129,11 +129,12 @@ def _triton_available() -> bool:
 
 
 def _native_available() -> bool:
+    """True when the native CPU kernels built (the loader warns once, saying why, if not)."""
     try:
         native = importlib.import_module("mla_backend.ops.native")
-    except ImportError:
+        return bool(native.available())
+    except Exception:  # never let the optional kernels break the torch path
         return False
-    return bool(native.available())
 
 
 _DEFAULTS: dict[str, KernelImpl] = {}

@@ -305,22 +305,27 @@ class Kernels:
         lse: torch.Tensor,
     ) -> None:
         """Single-token requests ``reqs`` in one batched pass: one gather, then bmm / masked
-        softmax / bmm for all of them at once (the GEMM path for many heads)."""
+        softmax / bmm for all of them at once (the GEMM path for many heads).
+
+        Scores come from an fp32 GEMM on the upcast tiles (CPU torch has no bf16-in / fp32-out
+        matmul: a bf16 GEMM would round every score to bf16 before the softmax); the normalized
+        probabilities are rounded to the compute dtype and P·V accumulates in fp32 inside the
+        GEMM, with one rounding of the output."""
         r = o_lat.shape[-1]
         kv, pad = self._gather_group(kv_cache, part, reqs, q.dtype)
         rows = torch.tensor([part.cu_new[i] for i in reqs], device=q.device)
         qg = q.index_select(0, rows)  # [G, H, D]
-        scores = torch.bmm(kv, qg.transpose(1, 2)).float().mul_(score_scale)  # [G, Lmax, H]
-        scores.masked_fill_(pad[:, :, None], float("-inf"))
+        scores = torch.bmm(kv.float(), qg.float().transpose(1, 2)).mul_(score_scale)
+        scores.masked_fill_(pad[:, :, None], float("-inf"))  # [G, Lmax, H]
         m = scores.amax(dim=1, keepdim=True)  # [G, 1, H]
         p = torch.exp_(scores.sub_(m))
         l = p.sum(dim=1, keepdim=True)
-        m, l = m.transpose(1, 2), l.transpose(1, 2)  # [G, H, 1]
-        o = torch.bmm(p.to(q.dtype).transpose(1, 2), kv[:, :, :r]).float().div_(l)  # [G, H, r]
+        p_n = p.div_(l).to(q.dtype)
+        o = torch.bmm(p_n.transpose(1, 2), kv[:, :, :r])  # [G, H, r]
         if kv_scale is not None:
-            o.mul_(kv_scale.float())
-        o_lat[rows] = o.to(q.dtype)
-        lse[rows] = (m + torch.log(l)).squeeze(-1)
+            o = (o.float() * kv_scale.float()).to(q.dtype)
+        o_lat[rows] = o
+        lse[rows] = (m + torch.log(l)).squeeze(1)
 
     def _decode_group_flash(
         self,
@@ -365,13 +370,16 @@ class Kernels:
         The flash kernel parallelizes over batch x heads x query blocks; one decode token is a
         single query block, so the KV is cut into equal parts laid out as the batch dimension
         (a view of the gathered rows, no copy) to keep every thread busy, and the parts are
-        merged through their LSE (flash-decoding). q: [1, H, D] (the token's [q_lat ; q_pe]
-        rows). Returns (o [1, H, D] fp32, lse [1, H])."""
-        cd = q.dtype
+        merged through their LSE (flash-decoding). A context served in one part runs in the
+        compute dtype (fp32 scores inside the kernel, one rounding of the output); one cut
+        into parts runs in fp32, so no partial output is rounded before the merge.
+        q: [1, H, D] (the token's [q_lat ; q_pe] rows). Returns (o [1, H, D] fp32, lse [1, H])."""
         H, D = q.shape[1], q.shape[2]
         L = part.kv_lens[i]
-        qf = q.view(1, 1, H, D)
         parts_max = 2 * torch.get_num_threads()
+        one_part = L < 2 * self.min_split_tokens or parts_max == 1
+        cd = q.dtype if one_part else torch.float32
+        qf = q.view(1, 1, H, D).to(cd)
         o = lse = None
         for s in range(0, L, self.flash_split_tokens):
             e = min(L, s + self.flash_split_tokens)
@@ -422,22 +430,17 @@ class Kernels:
         # One workspace, reused by every block and split: large fresh allocations cost page
         # faults on every call on CPU.
         gather_buf = torch.empty(split_pages * ps * D, dtype=kv_cache.dtype, device=dev)
-        conv_buf = (
-            torch.empty(split_pages * ps, D, dtype=cd, device=dev)
-            if kv_cache.dtype != cd
-            else None
-        )
-        s_buf = torch.empty(max_rows * split, dtype=cd, device=dev)
+        conv_buf = torch.empty(split_pages * ps, D, dtype=torch.float32, device=dev)
         f_buf = torch.empty(max_rows * split, dtype=torch.float32, device=dev)
-        bufs = (gather_buf, conv_buf, s_buf, f_buf)
+        bufs = (gather_buf, conv_buf, f_buf)
         for i in sorted(reqs):
             P, n, t0 = part.prefix_lens[i], part.new_lens[i], part.cu_new[i]
             for j0 in range(0, n, qb):
                 j1 = min(n, j0 + qb)
                 rows = (j1 - j0) * H
-                qi = q[t0 + j0 : t0 + j1].reshape(rows, D)
+                qi = q[t0 + j0 : t0 + j1].reshape(rows, D).float()
                 out, lse_b = self._attend_block(
-                    qi, kv_cache, part, i, P + j0, P + j1, score_scale, r, bufs, split
+                    qi, kv_cache, part, i, P + j0, P + j1, score_scale, r, bufs, split, cd
                 )
                 if kv_scale is not None:
                     out.mul_(kv_scale.float())
@@ -454,15 +457,21 @@ class Kernels:
         kv_end: int,
         score_scale: float | torch.Tensor,
         r: int,
-        bufs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+        bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         split: int,
+        cd: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Consecutive new tokens of request ``i`` (token k of the block sees kv positions
         ``<= first_limit + k``) against kv rows ``[0, kv_end)``, split along the KV and merged
         online.
 
-        qi: [nb * H, D] query rows (token-major). Returns (o [nb*H, r] fp32, lse [nb*H, 1])."""
-        gather_buf, conv_buf, s_buf, f_buf = bufs
+        Each KV tile is upcast to fp32 once and serves both GEMMs: the scores are exact fp32
+        dot products of the stored values; the probabilities are rounded to the compute dtype
+        (``cd``) before P·V, which accumulates in fp32, as a plain bf16 attention does.
+
+        qi: [nb * H, D] fp32 query rows (token-major). Returns (o [nb*H, r] fp32,
+        lse [nb*H, 1])."""
+        gather_buf, conv_buf, f_buf = bufs
         rows, D = qi.shape
         nb = kv_end - first_limit
         H = rows // nb
@@ -471,12 +480,9 @@ class Kernels:
         for s in range(0, kv_end, split):
             e = min(kv_end, s + split)
             c = e - s
-            kv = self._rows(kv_cache, part, i, s, e, out=gather_buf)
-            if conv_buf is not None:
-                kv = conv_buf[:c].copy_(kv)
-            # scores transposed ([c, rows] = kv · q^T) runs faster in oneDNN than q · kv^T
-            sc = torch.mm(kv, qi.t(), out=s_buf[: rows * c].view(c, rows))
-            scores = f_buf[: rows * c].view(c, rows).copy_(sc).mul_(score_scale)
+            kv = conv_buf[:c].copy_(self._rows(kv_cache, part, i, s, e, out=gather_buf))
+            # scores transposed ([c, rows] = kv · q^T) runs faster than q · kv^T
+            scores = torch.mm(kv, qi.t(), out=f_buf[: rows * c].view(c, rows)).mul_(score_scale)
             if e - 1 > first_limit:  # causal among the new tokens
                 pos = torch.arange(s, e, device=dev)
                 limit = first_limit + torch.arange(nb, device=dev)
@@ -486,7 +492,8 @@ class Kernels:
             m = scores.amax(dim=0, keepdim=True).clamp_(min=-1e30)  # [1, rows]
             p = torch.exp_(scores.sub_(m))
             l = p.sum(dim=0, keepdim=True)
-            o = torch.mm(sc.copy_(p).t(), kv[:, :r]).float()  # [rows, r]
+            p = p.to(cd).float()  # probabilities in the compute dtype
+            o = torch.mm(p.t(), kv[:, :r])  # [rows, r]
             m, l = m.t(), l.t()  # [rows, 1]
             if acc is None:
                 acc, m_acc, l_acc = o, m, l
