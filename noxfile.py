@@ -36,10 +36,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def core(session: nox.Session) -> None:
-    """Core library tests on the torch (CPU) path."""
+    """Core library tests: once with the device's default kernels (the native C++ kernels on
+    CPU, compiled on first use), once forced onto the torch fallback."""
     session.install(TORCH)
     session.install("-e", ".[test]")
     _pytest(session, "tests", "--ignore=tests/triton")
+    _pytest(
+        session,
+        "tests",
+        "--ignore=tests/triton",
+        "--ignore=tests/test_native.py",
+        env={"MLA_BACKEND_IMPL": "torch"},
+    )
 
 
 @nox.session
@@ -57,6 +65,7 @@ def _vllm_env(session: nox.Session) -> None:
     # PyPI's torchvision/torchaudio/torchcodec do not match CPU torch and break imports.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-r", "integrations/vllm/test-requirements.txt")
+    session.install("ninja")  # builds the native CPU kernels on first use
     session.install("--no-deps", "-e", ".")
 
 
@@ -86,5 +95,6 @@ def sglang(session: nox.Session) -> None:
         "-r",
         "integrations/sglang/test-requirements.txt",
     )
+    session.install("ninja")  # builds the native CPU kernels on first use
     session.install("--no-deps", "-e", ".")
     _pytest(session, "integrations/sglang/tests")
