@@ -1,0 +1,196 @@
+"""Native CPU kernels for absorbed MLA: the C++ sources under ``csrc/``, their build at first
+use, the ``torch.library`` custom ops they register, and thin Python wrappers.
+
+This module owns:
+
+- the loader: ``torch.utils.cpp_extension.load`` compiles ``csrc/mla_cpu.cpp`` with
+  ``-O3 -march=native`` on the user's machine the first time :func:`available` (or a wrapper)
+  is called, cached in torch's extensions directory (``TORCH_EXTENSIONS_DIR``). If there is no
+  compiler / ninja, the platform is not x86-64, or the build fails, :func:`available` returns
+  False and one ``warnings.warn`` (once per process) says why; importing never raises;
+- the ops ``torch.ops.mla_backend.native_absorbed_attention`` and
+  ``torch.ops.mla_backend.native_write_latent`` (CPU kernels) with fake (meta)
+  implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque;
+- :func:`absorbed_attention` and :func:`write_latent`, the interface the core's device seam
+  (:mod:`mla_backend.ops.native_kernels`) calls.
+
+Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items are
+(request, block of <= 32 query rows = new tokens x heads, kv split); each item streams its
+request's latent rows through the block table in tiles of 64 tokens, loading each tile once for
+both the scores (fp32) and P·V; online softmax in fp32; splits merged through their LSE.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "unavailable_reason", "absorbed_attention", "write_latent"]
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("mla_cpu.cpp",)
+_HEADERS = ("mla_cpu.h",)
+_EXT_NAME = "mla_backend_native"
+_FLAGS = ["-O3", "-march=native", "-std=c++17"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "ok": False, "reason": None, "warned": False}
+
+
+def _build() -> None:
+    """Compile and load the extension (raises on any failure)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the native kernels target x86-64; this machine is {machine!r}")
+    from torch.utils import cpp_extension
+
+    cpp_extension.verify_ninja_availability()
+    # the sources' hash is part of torch's cache key, but a header change alone is not:
+    # fold the header text into the extension name's version through extra_cflags.
+    import hashlib
+
+    h = hashlib.sha1()
+    for name in _SOURCES + _HEADERS:
+        h.update((_CSRC / name).read_bytes())
+    cpp_extension.load(
+        name=f"{_EXT_NAME}_{h.hexdigest()[:12]}",
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=_FLAGS,
+        extra_include_paths=[str(_CSRC)],
+        is_python_module=False,
+        verbose=os.environ.get("MLA_BACKEND_NATIVE_VERBOSE", "") == "1",
+    )
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("mla_backend::native_absorbed_attention")
+    def _(
+        q_lat,
+        q_pe,
+        kv_cache,
+        block_table,
+        cu_seqlens_q,
+        kv_lens,
+        softmax_scale,
+        kv_scale=None,
+        num_kv_splits=0,
+    ):
+        T, H, r = q_lat.shape
+        return q_lat.new_empty((T, H, r)), q_lat.new_empty((T, H), dtype=torch.float32)
+
+    @torch.library.register_fake("mla_backend::native_write_latent")
+    def _(kv_cache, c_kv, k_pe, slot_mapping, kv_scale=None):
+        return None
+
+
+def available() -> bool:
+    """Build/load the kernels on first call; False if that failed (see
+    :func:`unavailable_reason`), in which case one warning was issued in this process."""
+    if _state["tried"]:
+        return bool(_state["ok"])
+    with _lock:
+        if not _state["tried"]:
+            try:
+                _build()
+                _state["ok"] = True
+            except Exception as e:  # no compiler, no ninja, compile error, non-x86 ...
+                _state["ok"] = False
+                _state["reason"] = f"{type(e).__name__}: {e}".strip()[:2000]
+                if not _state["warned"]:
+                    _state["warned"] = True
+                    warnings.warn(
+                        "mla_backend native CPU kernels are unavailable (falling back to the "
+                        f"torch implementation): {_state['reason']}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            _state["tried"] = True
+    return bool(_state["ok"])
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when the kernels loaded or were not tried)."""
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"mla_backend native kernels are unavailable: {unavailable_reason()}")
+
+
+def simd_level() -> str:
+    """'avx512_bf16' when the bf16 engine was compiled in, else 'fp32' (portable engine)."""
+    _require()
+    return "avx512_bf16" if torch.ops.mla_backend.native_simd_info() else "fp32"
+
+
+def absorbed_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    num_kv_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention (MQA over the paged latent cache), decode or extend.
+
+    Args:
+        q_lat: [T, H, r] bf16/fp16/fp32 (last dim contiguous; may be a strided view).
+        q_pe: [T, H, rope], q_lat's dtype (rope may be 0).
+        kv_cache: [num_pages, page_size, r + rope], q's dtype or float8_e4m3fn; row =
+            [c_kv ; k_pe]; value = its first r columns.
+        block_table: [B, max_pages] int32, physical page of each logical page.
+        cu_seqlens_q: [B + 1] int32; request i owns query rows cu[i]:cu[i+1] (may be empty).
+        kv_lens: [B] int32, cached tokens of request i (prefix + new), >= its new tokens.
+        softmax_scale: float > 0.
+        kv_scale: float32 0-d tensor; cached value = stored * kv_scale (None = 1.0).
+        num_kv_splits: kv splits per request (0 = the kernel chooses).
+
+    Returns:
+        o_lat: [T, H, r] in q's dtype; lse: [T, H] float32 (natural log).
+
+    Query row j of request i sits at position kv_len_i - n_i + j and attends causally to kv
+    positions 0 .. kv_len_i - n_i + j. Scores and softmax are fp32.
+    """
+    _require()
+    return torch.ops.mla_backend.native_absorbed_attention(
+        q_lat,
+        q_pe,
+        kv_cache,
+        block_table,
+        cu_seqlens_q,
+        kv_lens,
+        float(softmax_scale),
+        kv_scale,
+        int(num_kv_splits),
+    )
+
+
+def write_latent(
+    kv_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Write ``[c_kv ; k_pe]`` into the paged cache, in place.
+
+    Args:
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn.
+        c_kv: [T, r]; k_pe: [T, rope] (bf16/fp16/fp32).
+        slot_mapping: [>= T] int32/int64; token t goes to page slot // page_size, row
+            slot % page_size; slot < 0 is padding (skipped).
+        kv_scale: float32 0-d tensor (fp8 cache only): stored = clamp(value / kv_scale, -448,
+            448) rounded to nearest-even e4m3, bit-identical to torch's ``.to(float8_e4m3fn)``.
+    """
+    _require()
+    torch.ops.mla_backend.native_write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)

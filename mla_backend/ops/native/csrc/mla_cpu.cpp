@@ -1,0 +1,896 @@
+// Native CPU kernels for DeepSeek MLA in its absorbed form (MQA over the shared latent rows).
+//
+//   mla_backend::native_absorbed_attention  paged decode / extend / speculative verify
+//   mla_backend::native_write_latent        cache write (bf16/fp16/fp32/fp8 e4m3fn + scale)
+//
+// Organisation of the attention kernel
+// ------------------------------------
+// Work items are (request, block of query rows, kv split). A request's query rows are its
+// new tokens x heads, row R = j * H + h; every row of a request reads the same latent rows,
+// so one item loads each kv tile (kTileN tokens, through the block table, in place) once and
+// uses it for all of its rows, both as K (scores over r + rope: q_lat.c_kv + q_pe.k_pe, the
+// stored row as is) and as V (its first r columns). Scores stay fp32 from the dot products
+// through the online softmax; row j of a request is causal to kv position kv_len - n + j.
+// Long contexts / small batches are cut into kv splits whose normalised partial outputs and
+// LSEs are merged by a second pass. Items are scheduled dynamically (largest first) over
+// torch.get_num_threads() workers.
+//
+// Two compute engines:
+//   * Bf16Engine (AVX512-BF16; q bf16, cache bf16 or fp8): scores with vdpbf16ps over the
+//     row dimension (4 query rows x 4 kv rows register block, tree reduction), P.V with the
+//     tile repacked pairwise (VNNI) and probabilities rounded to bf16, fp32 accumulators.
+//     fp8 rows are decoded to bf16 exactly (e4m3 fits in bf16) and the scale is folded into
+//     the score scale and the output, so no precision is lost to dequantisation.
+//   * F32Engine (everything else: fp16/fp32 q, or no AVX512-BF16): the tile converted to
+//     fp32, fp32 dot products and fp32 P.V.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <vector>
+
+#include "mla_cpu.h"
+
+namespace mla_native {
+namespace {
+
+constexpr int kTileN = 64;    // kv tokens per tile
+constexpr int kMaxRows = 32;  // query rows per work item
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Thread-local growable aligned scratch (no page faults after the first call).
+struct Buf {
+  void* p = nullptr;
+  size_t n = 0;
+  template <typename T>
+  T* get(size_t count) {
+    size_t bytes = round_up(static_cast<int64_t>(count * sizeof(T)), 64) + 64;
+    if (bytes > n) {
+      std::free(p);
+      p = std::aligned_alloc(64, bytes);
+      TORCH_CHECK(p != nullptr, "mla native: out of memory for ", bytes, " bytes of scratch");
+      n = bytes;
+    }
+    return static_cast<T*>(p);
+  }
+  ~Buf() { std::free(p); }
+};
+
+struct Scratch {
+  Buf q, k, v, o, s, pb, zero, misc;
+};
+thread_local Scratch tl_scratch;
+
+// ---- problem description ----------------------------------------------------------------
+struct Params {
+  int64_t H, r, rope, D, B, page_size, num_pages;
+  const int32_t* bt;
+  int64_t bt_s0;
+  const int32_t* cu;
+  const int32_t* kvl;
+  const char* qlat;
+  int64_t ql_s0, ql_s1;
+  const char* qpe;
+  int64_t qp_s0, qp_s1;
+  const char* cache;
+  int64_t c_s0, c_s1;  // page / row strides in bytes
+  float score_scale;   // softmax_scale * kv_scale
+  float out_scale;     // kv_scale
+  char* out;           // [T, H, r] contiguous, q dtype
+  float* lse;          // [T, H]
+  float* part_o;       // [.., r] normalised partial outputs of split requests
+  float* part_lse;
+};
+
+struct Item {
+  int32_t req, row0, nrows, split, nsplit, kv0, kv1;
+  int64_t part_off;  // first partial row of the request
+  int64_t cost;
+};
+
+// Byte offset of kv position `pos` of request `i` in the cache.
+inline int64_t row_offset(const Params& P, int64_t i, int64_t pos) {
+  int64_t page = P.bt[i * P.bt_s0 + pos / P.page_size];
+  return page * P.c_s0 + (pos % P.page_size) * P.c_s1;
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n, float mul) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d] * mul);
+}
+
+// ---- softmax over one score tile (shared by the engines) ---------------------------------
+// S [rows][kTileN] raw dot products -> probabilities (fp32, unnormalised, 0 where masked).
+inline void softmax_tile(float* S, int rows, int nt, int ntp, const int64_t* lim, int64_t t0,
+                         float sc, float* mrow, float* lrow, float* alpha) {
+  for (int m = 0; m < rows; ++m) {
+    float* row = S + static_cast<int64_t>(m) * kTileN;
+    int64_t vc64 = std::min<int64_t>(std::max<int64_t>(lim[m] - t0, 0), nt);
+    int vc = static_cast<int>(vc64);
+    if (vc == 0) {
+      std::fill(row, row + ntp, 0.0f);
+      alpha[m] = 1.0f;
+      continue;
+    }
+    float mx = kNegInf;
+    int c = 0;
+#ifdef MLA_AVX512
+    {
+      __m512 vsc = _mm512_set1_ps(sc), vmx = _mm512_set1_ps(kNegInf);
+      for (; c + 16 <= vc; c += 16)
+        vmx = _mm512_max_ps(vmx, _mm512_mul_ps(_mm512_loadu_ps(row + c), vsc));
+      if (c < vc) {
+        __mmask16 k = static_cast<__mmask16>((1u << (vc - c)) - 1);
+        vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, row + c), vsc));
+      }
+      mx = _mm512_reduce_max_ps(vmx);
+    }
+#else
+    for (; c < vc; ++c) mx = std::max(mx, row[c] * sc);
+#endif
+    float mnew = std::max(mrow[m], mx);
+    float a = (mrow[m] == kNegInf) ? 0.0f : std::exp(mrow[m] - mnew);
+    float sum = 0.0f;
+#ifdef MLA_AVX512
+    {
+      __m512 vsc = _mm512_set1_ps(sc), vm = _mm512_set1_ps(mnew), vs = _mm512_setzero_ps();
+      for (c = 0; c < ntp; c += 16) {
+        int left = vc - c;
+        __mmask16 k = left >= 16 ? 0xffff : (left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1));
+        __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(row + c), vsc, vm);
+        __m512 p = _mm512_maskz_mov_ps(k, exp512(x));
+        vs = _mm512_add_ps(vs, p);
+        _mm512_storeu_ps(row + c, p);
+      }
+      sum = _mm512_reduce_add_ps(vs);
+    }
+#else
+    for (c = 0; c < vc; ++c) {
+      float p = std::exp(row[c] * sc - mnew);
+      row[c] = p;
+      sum += p;
+    }
+    for (; c < ntp; ++c) row[c] = 0.0f;
+#endif
+    lrow[m] = lrow[m] * a + sum;
+    mrow[m] = mnew;
+    alpha[m] = a;
+  }
+}
+
+// ---- fp32 engine (any dtype; the portable path) ------------------------------------------
+template <typename QT, typename CT, bool kFp8>
+struct F32Engine {
+  const Params& P;
+  int64_t D, r;
+  float* Q;  // [kMaxRows][D]
+  float* K;  // [kTileN][D]
+  float* O;  // [kMaxRows][r]
+
+  explicit F32Engine(const Params& p) : P(p), D(p.D), r(p.r) {
+    Q = tl_scratch.q.get<float>(kMaxRows * D);
+    K = tl_scratch.k.get<float>(kTileN * D);
+    O = tl_scratch.o.get<float>(kMaxRows * r);
+  }
+  int pad_rows(int rows) const { return rows; }
+  int64_t o_stride() const { return r; }
+
+  void load_q(int m, const char* ql, const char* qp) {
+    float* dst = Q + m * D;
+    const QT* a = reinterpret_cast<const QT*>(ql);
+    const QT* b = reinterpret_cast<const QT*>(qp);
+    for (int64_t d = 0; d < r; ++d) dst[d] = static_cast<float>(a[d]);
+    for (int64_t d = 0; d < P.rope; ++d) dst[r + d] = static_cast<float>(b[d]);
+  }
+  void zero_q(int m) { std::fill(Q + m * D, Q + (m + 1) * D, 0.0f); }
+  void zero_o(int rows) { std::fill(O, O + rows * r, 0.0f); }
+  const float* orow(int m) const { return O + m * r; }
+
+  void load_tile(const int64_t* offs, int nt) {
+    for (int c = 0; c < nt; ++c) {
+      float* dst = K + static_cast<int64_t>(c) * D;
+      const char* src = P.cache + offs[c];
+      if constexpr (kFp8) {
+        const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
+        int64_t d = 0;
+#ifdef MLA_AVX512
+        for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, fp8x16_to_f32(s8 + d));
+#endif
+        for (; d < D; ++d) dst[d] = fp8_to_f32(s8[d]);
+      } else {
+        const CT* s = reinterpret_cast<const CT*>(src);
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(s[d]);
+      }
+    }
+  }
+
+  static inline float dot(const float* a, const float* b, int64_t n) {
+#ifdef MLA_AVX512
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= n; d += 32) {
+      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), acc1);
+    }
+    for (; d < n; d += 16) {
+      int64_t left = n - d;
+      __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + d), _mm512_maskz_loadu_ps(k, b + d), acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#else
+    float acc[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16)
+      for (int l = 0; l < 16; ++l) acc[l] += a[d + l] * b[d + l];
+    float s = 0.0f;
+    for (; d < n; ++d) s += a[d] * b[d];
+    for (int l = 0; l < 16; ++l) s += acc[l];
+    return s;
+#endif
+  }
+
+  void scores(int rows, int nt, float* S) {
+    for (int m = 0; m < rows; ++m)
+      for (int c = 0; c < nt; ++c) S[m * kTileN + c] = dot(Q + m * D, K + c * D, D);
+  }
+
+  void pv(int rows, int nt, const float* Pm, const float* alpha) {
+    for (int m = 0; m < rows; ++m) {
+      float* o = O + m * r;
+      float a = alpha[m];
+      if (a != 1.0f)
+        for (int64_t d = 0; d < r; ++d) o[d] *= a;
+      const float* prow = Pm + m * kTileN;
+      for (int c = 0; c < nt; ++c) {
+        float p = prow[c];
+        if (p == 0.0f) continue;
+        const float* v = K + static_cast<int64_t>(c) * D;
+        for (int64_t d = 0; d < r; ++d) o[d] += p * v[d];
+      }
+    }
+  }
+};
+
+#ifdef MLA_AVX512BF16
+// ---- AVX512-BF16 engine (q bf16; cache bf16 or fp8) --------------------------------------
+template <bool kFp8>
+struct Bf16Engine {
+  const Params& P;
+  int64_t D, Dp, r, rp;
+  uint16_t* Q;     // [kMaxRows][Dp] (zero padded)
+  uint16_t* Kd;    // [kTileN][Dp] dequantised fp8 tile
+  uint16_t* Vp;    // [kTileN / 2][2 * rp] VNNI-packed V
+  uint16_t* Pb;    // [kMaxRows][kTileN] bf16 probabilities
+  uint16_t* zero;  // one zero row of Dp
+  float* O;        // [kMaxRows][rp]
+  const uint16_t* rows[kTileN + 4];
+
+  explicit Bf16Engine(const Params& p) : P(p), D(p.D), r(p.r) {
+    Dp = round_up(D, 32);
+    rp = round_up(r, 16);
+    Q = tl_scratch.q.get<uint16_t>(kMaxRows * Dp);
+    Kd = kFp8 ? tl_scratch.k.get<uint16_t>(kTileN * Dp) : nullptr;
+    Vp = tl_scratch.v.get<uint16_t>(kTileN * rp);
+    Pb = tl_scratch.pb.get<uint16_t>(kMaxRows * kTileN);
+    zero = tl_scratch.zero.get<uint16_t>(Dp);
+    std::memset(zero, 0, Dp * sizeof(uint16_t));
+    O = tl_scratch.o.get<float>(kMaxRows * rp);
+  }
+  int pad_rows(int rows) const { return static_cast<int>(round_up(rows, 4)); }
+  int64_t o_stride() const { return rp; }
+
+  void load_q(int m, const char* ql, const char* qp) {
+    uint16_t* dst = Q + m * Dp;
+    std::memcpy(dst, ql, r * 2);
+    if (P.rope) std::memcpy(dst + r, qp, P.rope * 2);
+    std::memset(dst + D, 0, (Dp - D) * 2);
+  }
+  void zero_q(int m) { std::memset(Q + m * Dp, 0, Dp * 2); }
+  void zero_o(int rows) { std::fill(O, O + rows * rp, 0.0f); }
+  const float* orow(int m) const { return O + m * rp; }
+
+  void load_tile(const int64_t* offs, int nt) {
+    for (int c = 0; c < nt; ++c) {
+      const char* src = P.cache + offs[c];
+      if constexpr (kFp8) {
+        uint16_t* dst = Kd + static_cast<int64_t>(c) * Dp;
+        const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
+        for (int64_t d = 0; d < D; d += 16) {
+          int64_t left = D - d;
+          __m512 f;
+          if (left >= 16) {
+            f = fp8x16_to_f32(s8 + d);
+          } else {
+            alignas(16) uint8_t tmp[16] = {0};
+            std::memcpy(tmp, s8 + d, left);
+            f = fp8x16_to_f32(tmp);
+          }
+          // exact: an e4m3 value has 3 mantissa bits
+          __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), h);
+        }
+        rows[c] = dst;
+      } else {
+        rows[c] = reinterpret_cast<const uint16_t*>(src);
+      }
+    }
+    for (int c = nt; c < round_up(nt, 4); ++c) rows[c] = zero;
+  }
+
+  void scores(int rows_pad, int nt, float* S) {
+    const int64_t Dfull = D / 32 * 32;
+    const int64_t tail = D - Dfull;
+    const __mmask32 tmask = tail ? static_cast<__mmask32>((1ull << tail) - 1) : 0;
+    const int ntp = static_cast<int>(round_up(nt, 4));
+    alignas(64) float tmp[16];
+    for (int n0 = 0; n0 < ntp; n0 += 4) {
+      const uint16_t* k0 = rows[n0];
+      const uint16_t* k1 = rows[n0 + 1];
+      const uint16_t* k2 = rows[n0 + 2];
+      const uint16_t* k3 = rows[n0 + 3];
+      for (int m0 = 0; m0 < rows_pad; m0 += 4) {
+        const uint16_t* q0 = Q + (m0 + 0) * Dp;
+        const uint16_t* q1 = Q + (m0 + 1) * Dp;
+        const uint16_t* q2 = Q + (m0 + 2) * Dp;
+        const uint16_t* q3 = Q + (m0 + 3) * Dp;
+        __m512 acc[16];
+        for (int x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
+        auto step = [&](__m512i kv0, __m512i kv1, __m512i kv2, __m512i kv3, int64_t d) {
+          __m512i qs[4] = {_mm512_loadu_si512(q0 + d), _mm512_loadu_si512(q1 + d),
+                           _mm512_loadu_si512(q2 + d), _mm512_loadu_si512(q3 + d)};
+          for (int i = 0; i < 4; ++i) {
+            __m512bh qb = (__m512bh)qs[i];
+            acc[i * 4 + 0] = _mm512_dpbf16_ps(acc[i * 4 + 0], qb, (__m512bh)kv0);
+            acc[i * 4 + 1] = _mm512_dpbf16_ps(acc[i * 4 + 1], qb, (__m512bh)kv1);
+            acc[i * 4 + 2] = _mm512_dpbf16_ps(acc[i * 4 + 2], qb, (__m512bh)kv2);
+            acc[i * 4 + 3] = _mm512_dpbf16_ps(acc[i * 4 + 3], qb, (__m512bh)kv3);
+          }
+        };
+        for (int64_t d = 0; d < Dfull; d += 32) {
+          step(_mm512_loadu_si512(k0 + d), _mm512_loadu_si512(k1 + d), _mm512_loadu_si512(k2 + d),
+               _mm512_loadu_si512(k3 + d), d);
+        }
+        if (tail) {
+          step(_mm512_maskz_loadu_epi16(tmask, k0 + Dfull), _mm512_maskz_loadu_epi16(tmask, k1 + Dfull),
+               _mm512_maskz_loadu_epi16(tmask, k2 + Dfull), _mm512_maskz_loadu_epi16(tmask, k3 + Dfull),
+               Dfull);
+        }
+        _mm512_store_ps(tmp, reduce16(acc));
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) S[(m0 + i) * kTileN + n0 + j] = tmp[i * 4 + j];
+      }
+    }
+  }
+
+  void pack_v(int nt) {
+    const int npairs = (nt + 1) / 2;
+    alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
+                                                    37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                    53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                    27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i vlo = _mm512_load_si512(lo_idx), vhi = _mm512_load_si512(hi_idx);
+    for (int k = 0; k < npairs; ++k) {
+      const uint16_t* a = rows[2 * k];
+      const uint16_t* b = (2 * k + 1 < nt) ? rows[2 * k + 1] : zero;
+      uint16_t* dst = Vp + static_cast<int64_t>(k) * 2 * rp;
+      for (int64_t c = 0; c < rp; c += 32) {
+        int64_t cnt = std::min<int64_t>(32, r - c);
+        __mmask32 msk = cnt >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << cnt) - 1);
+        __m512i va = _mm512_maskz_loadu_epi16(msk, a + c);
+        __m512i vb = _mm512_maskz_loadu_epi16(msk, b + c);
+        _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(va, vlo, vb));
+        if (c + 16 < rp) _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(va, vhi, vb));
+      }
+    }
+  }
+
+  template <int MR, int NC>
+  void pv_kernel(int m0, int64_t c0, int npairs, const float* alpha) {
+    __m512 acc[MR][NC];
+    for (int i = 0; i < MR; ++i) {
+      __m512 a = _mm512_set1_ps(alpha[m0 + i]);
+      for (int j = 0; j < NC; ++j)
+        acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + (m0 + i) * rp + c0 + 16 * j), a);
+    }
+    const int32_t* prow[MR];
+    for (int i = 0; i < MR; ++i) prow[i] = reinterpret_cast<const int32_t*>(Pb + (m0 + i) * kTileN);
+    for (int k = 0; k < npairs; ++k) {
+      const uint16_t* vk = Vp + static_cast<int64_t>(k) * 2 * rp + 2 * c0;
+      __m512i vb[NC];
+      for (int j = 0; j < NC; ++j) vb[j] = _mm512_loadu_si512(vk + 32 * j);
+      for (int i = 0; i < MR; ++i) {
+        __m512bh pa = (__m512bh)_mm512_set1_epi32(prow[i][k]);
+        for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pa, (__m512bh)vb[j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NC; ++j) _mm512_storeu_ps(O + (m0 + i) * rp + c0 + 16 * j, acc[i][j]);
+  }
+
+  template <int NC>
+  void pv_cols(int rows_pad, int64_t c0, int npairs, const float* alpha) {
+    int m0 = 0;
+    for (; m0 + 6 <= rows_pad; m0 += 6) pv_kernel<6, NC>(m0, c0, npairs, alpha);
+    switch (rows_pad - m0) {
+      case 5: pv_kernel<5, NC>(m0, c0, npairs, alpha); break;
+      case 4: pv_kernel<4, NC>(m0, c0, npairs, alpha); break;
+      case 3: pv_kernel<3, NC>(m0, c0, npairs, alpha); break;
+      case 2: pv_kernel<2, NC>(m0, c0, npairs, alpha); break;
+      case 1: pv_kernel<1, NC>(m0, c0, npairs, alpha); break;
+      default: break;
+    }
+  }
+
+  void pv(int rows_pad, int nt, const float* Pm, const float* alpha) {
+    const int ntp = static_cast<int>(round_up(nt, 2));
+    // probabilities -> bf16 (round to nearest even)
+    for (int m = 0; m < rows_pad; ++m) {
+      const float* src = Pm + m * kTileN;
+      uint16_t* dst = Pb + m * kTileN;
+      for (int c = 0; c < ntp; c += 32) {
+        __m512 a = _mm512_loadu_ps(src + c);
+        __m512 b = _mm512_loadu_ps(src + c + 16);
+        __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+        _mm512_storeu_si512(dst + c, (__m512i)h);
+      }
+    }
+    pack_v(nt);
+    const int npairs = ntp / 2;
+    for (int64_t c0 = 0; c0 < rp; c0 += 64) {
+      int nc = static_cast<int>(std::min<int64_t>(4, (rp - c0) / 16));
+      switch (nc) {
+        case 4: pv_cols<4>(rows_pad, c0, npairs, alpha); break;
+        case 3: pv_cols<3>(rows_pad, c0, npairs, alpha); break;
+        case 2: pv_cols<2>(rows_pad, c0, npairs, alpha); break;
+        default: pv_cols<1>(rows_pad, c0, npairs, alpha); break;
+      }
+    }
+  }
+};
+#endif  // MLA_AVX512BF16
+
+// ---- one work item -----------------------------------------------------------------------
+template <typename QT, class Engine>
+void run_item(const Params& P, const Item& it, Engine& E, float* S, int64_t* offs, float* mrow,
+              float* lrow, float* alpha, int64_t* lim) {
+  const int64_t i = it.req;
+  const int64_t n = P.cu[i + 1] - P.cu[i];
+  const int64_t L = P.kvl[i];
+  const int64_t H = P.H;
+  const int rows = it.nrows;
+  const int rows_pad = E.pad_rows(rows);
+  int64_t lim_max = 0, lim_min = INT64_MAX;
+  for (int m = 0; m < rows_pad; ++m) {
+    if (m < rows) {
+      int64_t R = it.row0 + m;
+      int64_t j = R / H, h = R % H;
+      int64_t t = P.cu[i] + j;
+      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.qpe + (t * P.qp_s0 + h * P.qp_s1));
+      lim[m] = L - n + j + 1;
+      lim_max = std::max(lim_max, lim[m]);
+      lim_min = std::min(lim_min, lim[m]);
+    } else {
+      E.zero_q(m);
+      lim[m] = 0;  // padding rows: fully masked
+    }
+    mrow[m] = kNegInf;
+    lrow[m] = 0.0f;
+  }
+  E.zero_o(rows_pad);
+  const int64_t kend = std::min<int64_t>(it.kv1, lim_max);
+  for (int64_t t0 = it.kv0; t0 < kend; t0 += kTileN) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTileN, kend - t0));
+    for (int c = 0; c < nt; ++c) offs[c] = row_offset(P, i, t0 + c);
+    E.load_tile(offs, nt);
+    E.scores(rows_pad, nt, S);
+    softmax_tile(S, rows_pad, nt, static_cast<int>(round_up(nt, 4)), lim, t0, P.score_scale, mrow,
+                 lrow, alpha);
+    E.pv(rows_pad, nt, S, alpha);
+  }
+  const int64_t r = P.r;
+  for (int m = 0; m < rows; ++m) {
+    const int64_t R = it.row0 + m;
+    float inv = 0.0f, lse = kNegInf;
+    if (lrow[m] > 0.0f) {
+      inv = P.out_scale / lrow[m];
+      lse = mrow[m] + std::log(lrow[m]);
+    }
+    const float* o = E.orow(m);
+    if (it.nsplit == 1) {
+      const int64_t g = P.cu[i] * H + R;  // flat [T*H] row
+      store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
+      P.lse[g] = lse;
+    } else {
+      const int64_t pr = it.part_off + R * it.nsplit + it.split;
+      store_row(P.part_o + pr * r, o, r, inv);
+      P.part_lse[pr] = lse;
+    }
+  }
+}
+
+template <typename QT, class Engine>
+void run_items(const Params& P, const std::vector<Item>& items) {
+  std::atomic<int64_t> next{0};
+  const int64_t nitems = static_cast<int64_t>(items.size());
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), nitems);
+  auto worker = [&](int64_t, int64_t) {
+    Engine E(P);
+    float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + 4 * kMaxRows);
+    float* mrow = S + kMaxRows * kTileN;
+    float* lrow = mrow + kMaxRows;
+    float* alpha = lrow + kMaxRows;
+    int64_t* scratch = tl_scratch.misc.get<int64_t>(kTileN + kMaxRows);
+    int64_t* offs = scratch;
+    int64_t* lim = scratch + kTileN;
+    for (int64_t k; (k = next.fetch_add(1)) < nitems;)
+      run_item<QT, Engine>(P, items[k], E, S, offs, mrow, lrow, alpha, lim);
+  };
+  if (nthreads <= 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, nthreads, 1, worker);
+  }
+}
+
+template <typename QT>
+void merge_splits(const Params& P, const std::vector<std::pair<int64_t, int64_t>>& reqs) {
+  // reqs: (request, nsplit) of split requests with their partial offsets in part_off order
+  struct Job {
+    int64_t req, nsplit, off, nrows;
+  };
+  std::vector<Job> jobs;
+  int64_t off = 0, total = 0;
+  for (auto& rs : reqs) {
+    int64_t n = P.cu[rs.first + 1] - P.cu[rs.first];
+    jobs.push_back({rs.first, rs.second, off, n * P.H});
+    off += n * P.H * rs.second;
+    total += n * P.H;
+  }
+  if (jobs.empty()) return;
+  std::vector<int64_t> starts;  // row prefix over jobs
+  starts.push_back(0);
+  for (auto& j : jobs) starts.push_back(starts.back() + j.nrows);
+  const int64_t r = P.r;
+  at::parallel_for(0, total, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(r);
+    for (int64_t x = b; x < e; ++x) {
+      int64_t ji = std::upper_bound(starts.begin(), starts.end(), x) - starts.begin() - 1;
+      const Job& jb = jobs[ji];
+      const int64_t R = x - starts[ji];
+      const float* lses = P.part_lse + jb.off + R * jb.nsplit;
+      const float* os = P.part_o + (jb.off + R * jb.nsplit) * r;
+      float mx = kNegInf;
+      for (int64_t s = 0; s < jb.nsplit; ++s) mx = std::max(mx, lses[s]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float wsum = 0.0f;
+      if (mx != kNegInf) {
+        for (int64_t s = 0; s < jb.nsplit; ++s) {
+          if (lses[s] == kNegInf) continue;
+          float w = std::exp(lses[s] - mx);
+          wsum += w;
+          const float* o = os + s * r;
+          for (int64_t d = 0; d < r; ++d) acc[d] += w * o[d];
+        }
+      }
+      const int64_t g = P.cu[jb.req] * P.H + R;
+      float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+      store_row(reinterpret_cast<QT*>(P.out) + g * r, acc.data(), r, inv);
+      P.lse[g] = wsum > 0.0f ? mx + std::log(wsum) : kNegInf;
+    }
+  });
+}
+
+const char* dtype_list = "bfloat16, float16, float32 (cache also float8_e4m3fn)";
+
+}  // namespace
+
+// ---- op: absorbed attention --------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> absorbed_attention(
+    const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, const at::Tensor& kv_cache,
+    const at::Tensor& block_table_in, const at::Tensor& cu_in, const at::Tensor& kv_lens_in,
+    double softmax_scale, const c10::optional<at::Tensor>& kv_scale, int64_t num_kv_splits) {
+  TORCH_CHECK(q_lat_in.device().is_cpu() && q_pe_in.device().is_cpu() && kv_cache.device().is_cpu(),
+              "mla native absorbed_attention: tensors must be on the CPU, got q_lat on ",
+              q_lat_in.device(), ", kv_cache on ", kv_cache.device());
+  TORCH_CHECK(q_lat_in.dim() == 3, "q_lat must be [T, H, r], got shape ", q_lat_in.sizes());
+  TORCH_CHECK(q_pe_in.dim() == 3, "q_pe must be [T, H, rope], got shape ", q_pe_in.sizes());
+  TORCH_CHECK(kv_cache.dim() == 3, "kv_cache must be [num_pages, page_size, r + rope], got shape ",
+              kv_cache.sizes());
+  const auto qdt = q_lat_in.scalar_type();
+  TORCH_CHECK(qdt == at::kBFloat16 || qdt == at::kHalf || qdt == at::kFloat,
+              "q_lat dtype ", qdt, " is not supported; use one of ", dtype_list);
+  TORCH_CHECK(q_pe_in.scalar_type() == qdt, "q_pe dtype ", q_pe_in.scalar_type(),
+              " differs from q_lat dtype ", qdt);
+  const auto cdt = kv_cache.scalar_type();
+  const bool fp8 = cdt == at::kFloat8_e4m3fn;
+  TORCH_CHECK(cdt == qdt || fp8, "kv_cache dtype ", cdt, " is not supported with q dtype ", qdt,
+              "; the cache must have q's dtype or be float8_e4m3fn");
+  const int64_t T = q_lat_in.size(0), H = q_lat_in.size(1), r = q_lat_in.size(2);
+  const int64_t rope = q_pe_in.size(2);
+  TORCH_CHECK(q_pe_in.size(0) == T && q_pe_in.size(1) == H, "q_pe shape ", q_pe_in.sizes(),
+              " does not match q_lat shape ", q_lat_in.sizes());
+  TORCH_CHECK(r >= 1, "kv_lora_rank r=", r, " must be >= 1");
+  TORCH_CHECK(H >= 1, "num heads H=", H, " must be >= 1");
+  const int64_t D = r + rope;
+  TORCH_CHECK(kv_cache.size(2) == D, "kv_cache last dim ", kv_cache.size(2), " != r + rope = ", r,
+              " + ", rope);
+  TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous, got strides ",
+              kv_cache.strides());
+  const int64_t page_size = kv_cache.size(1), num_pages = kv_cache.size(0);
+  TORCH_CHECK(page_size >= 1, "page_size ", page_size, " must be >= 1");
+  TORCH_CHECK(softmax_scale > 0.0 && std::isfinite(softmax_scale), "softmax_scale ", softmax_scale,
+              " must be a finite positive number");
+  TORCH_CHECK(num_kv_splits >= 0, "num_kv_splits=", num_kv_splits, " must be >= 0 (0 = automatic)");
+  at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
+  at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
+
+  auto as_i32 = [](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " dtype ",
+                t.scalar_type(), " is not supported; use int32");
+    return t.to(at::kInt).contiguous();
+  };
+  at::Tensor bt = block_table_in;
+  TORCH_CHECK(bt.dim() == 2, "block_table must be [B, max_pages], got shape ", bt.sizes());
+  TORCH_CHECK(bt.device().is_cpu(), "block_table must be a CPU tensor, got ", bt.device());
+  TORCH_CHECK(bt.scalar_type() == at::kInt || bt.scalar_type() == at::kLong, "block_table dtype ",
+              bt.scalar_type(), " is not supported; use int32");
+  if (bt.scalar_type() != at::kInt || bt.stride(1) != 1) bt = bt.to(at::kInt).contiguous();
+  at::Tensor cu = as_i32(cu_in, "cu_seqlens_q");
+  at::Tensor kvl = as_i32(kv_lens_in, "kv_lens");
+  const int64_t B = kvl.numel();
+  TORCH_CHECK(kvl.dim() == 1, "kv_lens must be [B], got shape ", kvl.sizes());
+  TORCH_CHECK(cu.dim() == 1 && cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1,
+              "], got shape ", cu.sizes());
+  TORCH_CHECK(bt.size(0) >= B, "block_table has ", bt.size(0), " rows for ", B, " requests");
+  const int32_t* cup = cu.data_ptr<int32_t>();
+  const int32_t* klp = kvl.data_ptr<int32_t>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int64_t max_pages = bt.size(1);
+  TORCH_CHECK(B == 0 || cup[0] == 0, "cu_seqlens_q[0] = ", B ? cup[0] : 0, " must be 0");
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t n = cup[i + 1] - cup[i], L = klp[i];
+    TORCH_CHECK(n >= 0, "cu_seqlens_q must be non-decreasing: request ", i, " has ", n,
+                " new tokens");
+    TORCH_CHECK(L >= n, "kv_lens[", i, "] = ", L, " is smaller than its ", n,
+                " new tokens (kv_len counts prefix + new)");
+    TORCH_CHECK(L <= max_pages * page_size, "kv_lens[", i, "] = ", L, " needs more than the ",
+                max_pages, " pages x ", page_size, " tokens of its block_table row");
+    if (n == 0) continue;
+    for (int64_t p = 0; p < ceil_div(L, page_size); ++p) {
+      int64_t page = btp[i * bt.stride(0) + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "block_table[", i, ", ", p, "] = ", page,
+                  " is not a page of the cache (0 .. ", num_pages - 1, ")");
+    }
+  }
+  TORCH_CHECK(B == 0 ? T == 0 : cup[B] == T, "cu_seqlens_q[-1] = ", B ? cup[B] : 0,
+              " must equal the number of query tokens T = ", T);
+
+  float kvs = 1.0f;
+  if (kv_scale.has_value() && kv_scale->defined()) {
+    TORCH_CHECK(kv_scale->numel() == 1, "kv_scale must be a 0-d (one element) tensor, got shape ",
+                kv_scale->sizes());
+    kvs = kv_scale->to(at::kCPU).to(at::kFloat).item<float>();
+    TORCH_CHECK(std::isfinite(kvs) && kvs > 0.0f, "kv_scale = ", kvs, " must be finite and > 0");
+  }
+
+  at::Tensor out = at::empty({T, H, r}, q_lat.options());
+  at::Tensor lse = at::empty({T, H}, q_lat.options().dtype(at::kFloat));
+  if (T == 0) return {out, lse};
+
+  // ---- work items ----
+  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t total_work = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t n = cup[i + 1] - cup[i];
+    if (n == 0) continue;
+    const int64_t nb = ceil_div(n * H, kMaxRows);
+    total_work += nb * klp[i];
+  }
+  const int64_t chunk = std::max<int64_t>(256, ceil_div(total_work, 4 * nthreads));
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> split_reqs;
+  int64_t part_rows = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t n = cup[i + 1] - cup[i];
+    if (n == 0) continue;
+    const int64_t L = klp[i];
+    const int64_t rows = n * H;
+    const int64_t nb = ceil_div(rows, kMaxRows);
+    const int64_t mb = ceil_div(rows, nb);
+    int64_t ns = num_kv_splits > 0 ? num_kv_splits : ceil_div(L, chunk);
+    ns = std::max<int64_t>(1, std::min<int64_t>({ns, ceil_div(L, kTileN), 256}));
+    const int64_t len = round_up(ceil_div(L, ns), kTileN);
+    ns = ceil_div(L, len);
+    const int64_t poff = part_rows;
+    if (ns > 1) {
+      split_reqs.push_back({i, ns});
+      part_rows += rows * ns;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t row0 = b * mb;
+      const int64_t nr = std::min(mb, rows - row0);
+      for (int64_t s = 0; s < ns; ++s) {
+        Item it;
+        it.req = static_cast<int32_t>(i);
+        it.row0 = static_cast<int32_t>(row0);
+        it.nrows = static_cast<int32_t>(nr);
+        it.split = static_cast<int32_t>(s);
+        it.nsplit = static_cast<int32_t>(ns);
+        it.kv0 = static_cast<int32_t>(s * len);
+        it.kv1 = static_cast<int32_t>(std::min(L, (s + 1) * len));
+        it.part_off = poff;
+        it.cost = (it.kv1 - it.kv0) * nr;
+        items.push_back(it);
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  thread_local std::vector<float> part_buf;
+  const size_t part_need = static_cast<size_t>(part_rows) * (r + 1);
+  if (part_buf.size() < part_need) part_buf.resize(part_need);
+
+  Params P;
+  P.H = H;
+  P.r = r;
+  P.rope = rope;
+  P.D = D;
+  P.B = B;
+  P.page_size = page_size;
+  P.num_pages = num_pages;
+  P.bt = btp;
+  P.bt_s0 = bt.stride(0);
+  P.cu = cup;
+  P.kvl = klp;
+  const int64_t qes = q_lat.element_size();
+  P.qlat = static_cast<const char*>(q_lat.data_ptr());
+  P.ql_s0 = q_lat.stride(0) * qes;
+  P.ql_s1 = q_lat.stride(1) * qes;
+  P.qpe = static_cast<const char*>(q_pe.data_ptr());
+  P.qp_s0 = q_pe.stride(0) * qes;
+  P.qp_s1 = q_pe.stride(1) * qes;
+  const int64_t ces = kv_cache.element_size();
+  P.cache = static_cast<const char*>(kv_cache.data_ptr());
+  P.c_s0 = kv_cache.stride(0) * ces;
+  P.c_s1 = kv_cache.stride(1) * ces;
+  P.score_scale = static_cast<float>(softmax_scale) * kvs;
+  P.out_scale = kvs;
+  P.out = static_cast<char*>(out.data_ptr());
+  P.lse = lse.data_ptr<float>();
+  P.part_o = part_buf.data();
+  P.part_lse = part_buf.data() + static_cast<size_t>(part_rows) * r;
+
+  if (qdt == at::kBFloat16) {
+    using QT = c10::BFloat16;
+#ifdef MLA_AVX512BF16
+    if (fp8) run_items<QT, Bf16Engine<true>>(P, items);
+    else run_items<QT, Bf16Engine<false>>(P, items);
+#else
+    if (fp8) run_items<QT, F32Engine<QT, uint8_t, true>>(P, items);
+    else run_items<QT, F32Engine<QT, QT, false>>(P, items);
+#endif
+    merge_splits<QT>(P, split_reqs);
+  } else if (qdt == at::kHalf) {
+    using QT = c10::Half;
+    if (fp8) run_items<QT, F32Engine<QT, uint8_t, true>>(P, items);
+    else run_items<QT, F32Engine<QT, QT, false>>(P, items);
+    merge_splits<QT>(P, split_reqs);
+  } else {
+    using QT = float;
+    if (fp8) run_items<QT, F32Engine<QT, uint8_t, true>>(P, items);
+    else run_items<QT, F32Engine<QT, QT, false>>(P, items);
+    merge_splits<QT>(P, split_reqs);
+  }
+  return {out, lse};
+}
+
+// ---- op: cache write ---------------------------------------------------------------------
+void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const at::Tensor& k_pe_in,
+                  const at::Tensor& slot_mapping_in, const c10::optional<at::Tensor>& kv_scale) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && c_kv_in.device().is_cpu() && k_pe_in.device().is_cpu() &&
+                  slot_mapping_in.device().is_cpu(),
+              "mla native write_latent: tensors must be on the CPU");
+  TORCH_CHECK(kv_cache.dim() == 3, "kv_cache must be [num_pages, page_size, r + rope], got shape ",
+              kv_cache.sizes());
+  TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous");
+  TORCH_CHECK(c_kv_in.dim() == 2 && k_pe_in.dim() == 2, "c_kv must be [T, r] and k_pe [T, rope], got ",
+              c_kv_in.sizes(), " and ", k_pe_in.sizes());
+  const int64_t T = c_kv_in.size(0), r = c_kv_in.size(1), rope = k_pe_in.size(1);
+  TORCH_CHECK(k_pe_in.size(0) == T, "k_pe has ", k_pe_in.size(0), " rows, c_kv has ", T);
+  TORCH_CHECK(kv_cache.size(2) == r + rope, "kv_cache last dim ", kv_cache.size(2),
+              " != r + rope = ", r, " + ", rope);
+  TORCH_CHECK(slot_mapping_in.dim() == 1 && slot_mapping_in.numel() >= T, "slot_mapping must be [>= ",
+              T, "], got shape ", slot_mapping_in.sizes());
+  TORCH_CHECK(slot_mapping_in.scalar_type() == at::kInt || slot_mapping_in.scalar_type() == at::kLong,
+              "slot_mapping dtype ", slot_mapping_in.scalar_type(), " is not supported; use int32/int64");
+  const auto cdt = kv_cache.scalar_type();
+  const bool fp8 = cdt == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || cdt == at::kBFloat16 || cdt == at::kHalf || cdt == at::kFloat, "kv_cache dtype ",
+              cdt, " is not supported; use one of ", dtype_list);
+  for (const auto* t : {&c_kv_in, &k_pe_in}) {
+    auto dt = t->scalar_type();
+    TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, "c_kv/k_pe dtype ", dt,
+                " is not supported; use bfloat16, float16 or float32");
+  }
+  if (T == 0) return;
+  at::Tensor c_kv = c_kv_in.to(at::kFloat).contiguous();
+  at::Tensor k_pe = k_pe_in.to(at::kFloat).contiguous();
+  at::Tensor slots = slot_mapping_in.slice(0, 0, T).to(at::kLong).contiguous();
+  const int64_t ps = kv_cache.size(1), np = kv_cache.size(0), D = r + rope;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] < np * ps, "slot_mapping[", t, "] = ", sp[t], " is outside the cache (",
+                np * ps, " slots)");
+  float kvs = 1.0f;
+  if (fp8 && kv_scale.has_value() && kv_scale->defined()) {
+    TORCH_CHECK(kv_scale->numel() == 1, "kv_scale must be a 0-d tensor, got shape ", kv_scale->sizes());
+    kvs = kv_scale->to(at::kCPU).to(at::kFloat).item<float>();
+  }
+  const float* cp = c_kv.data_ptr<float>();
+  const float* kp = k_pe.data_ptr<float>();
+  char* base = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t es = kv_cache.element_size();
+  const int64_t s0 = kv_cache.stride(0) * es, s1 = kv_cache.stride(1) * es;
+  std::vector<float> row(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t];
+    if (slot < 0) continue;
+    char* dst = base + (slot / ps) * s0 + (slot % ps) * s1;
+    std::memcpy(row.data(), cp + t * r, r * sizeof(float));
+    if (rope) std::memcpy(row.data() + r, kp + t * rope, rope * sizeof(float));
+    if (fp8) {
+      uint8_t* d8 = reinterpret_cast<uint8_t*>(dst);
+      for (int64_t d = 0; d < D; ++d) {
+        float v = row[d] / kvs;  // same fp32 division as torch's value.float() / kv_scale
+        if (v > 448.0f) v = 448.0f;
+        else if (v < -448.0f) v = -448.0f;  // NaN passes through, like torch.clamp
+        d8[d] = c10::Float8_e4m3fn(v).x;
+      }
+    } else if (cdt == at::kBFloat16) {
+      auto* d = reinterpret_cast<c10::BFloat16*>(dst);
+      for (int64_t k = 0; k < D; ++k) d[k] = c10::BFloat16(row[k]);
+    } else if (cdt == at::kHalf) {
+      auto* d = reinterpret_cast<c10::Half*>(dst);
+      for (int64_t k = 0; k < D; ++k) d[k] = c10::Half(row[k]);
+    } else {
+      std::memcpy(dst, row.data(), D * sizeof(float));
+    }
+  }
+}
+
+// 1 when the AVX512-BF16 engine was compiled in (bf16 q with bf16/fp8 caches use it).
+int64_t simd_info() {
+#ifdef MLA_AVX512BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace mla_native
+
+TORCH_LIBRARY_FRAGMENT(mla_backend, m) {
+  m.def(
+      "native_absorbed_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
+      "Tensor cu_seqlens_q, Tensor kv_lens, float softmax_scale, Tensor? kv_scale=None, "
+      "int num_kv_splits=0) -> (Tensor, Tensor)");
+  m.def(
+      "native_write_latent(Tensor(a!) kv_cache, Tensor c_kv, Tensor k_pe, Tensor slot_mapping, "
+      "Tensor? kv_scale=None) -> ()");
+  m.def("native_simd_info() -> int", &mla_native::simd_info);
+}
+
+TORCH_LIBRARY_IMPL(mla_backend, CPU, m) {
+  m.impl("native_absorbed_attention", &mla_native::absorbed_attention);
+  m.impl("native_write_latent", &mla_native::write_latent);
+}

@@ -1,0 +1,96 @@
+// Small SIMD helpers shared by the native MLA CPU kernels (mla_cpu.cpp).
+//
+// Everything has an AVX-512 fast path (compiled with -march=native) and a portable scalar
+// fallback, so the extension builds on any x86-64 compiler that torch supports.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define MLA_AVX512 1
+#endif
+#if defined(MLA_AVX512) && defined(__AVX512BF16__)
+#define MLA_AVX512BF16 1
+#endif
+
+namespace mla_native {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- scalar conversions -----------------------------------------------------------------
+template <typename T>
+inline float to_f32(T v) {
+  return static_cast<float>(v);
+}
+// float8_e4m3fn stored as raw bytes: exact decode (subnormals included).
+inline float fp8_to_f32(uint8_t b) {
+  return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
+}
+
+#ifdef MLA_AVX512
+// exp(x) for 16 floats; ~1 ulp on the softmax range; x <= -87 gives exactly 0.
+inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ);
+  x = _mm512_max_ps(x, lo);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+// 16 accumulators -> one vector whose lane k is the sum of v[k]'s lanes.
+inline __m512 reduce16(const __m512* v) {
+  __m512 s[8];
+  for (int i = 0; i < 8; ++i) {
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 t[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 16 fp8 e4m3fn bytes -> 16 exact floats (no NaN handling: 0x7f/0xff decode as +-480).
+// Integer-only for normals, so flush-to-zero / denormals-are-zero modes cannot change it.
+inline __m512 fp8x16_to_f32(const uint8_t* p) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  // normal: exponent bias 7 -> 127
+  __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  // subnormal (exponent 0): m * 2^-9
+  __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
+  __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  __m512i v = _mm512_mask_mov_epi32(normal, is_sub, _mm512_castps_si512(sub));
+  return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
+}
+#endif
+
+}  // namespace mla_native

@@ -1,0 +1,345 @@
+"""Native CPU kernels (mla_backend.ops.native): absorbed attention against an independent float64
+reference and a plain compute-dtype reference, cache writes bit for bit against torch, the
+loader's failure path, argument errors and fake-tensor (opaque op) behaviour."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import mla_backend as mb
+from mla_backend.ops import native
+from mla_backend.testing.cases import make_case
+
+if not native.available():
+    pytest.skip(
+        f"native kernels unavailable: {native.unavailable_reason()}", allow_module_level=True
+    )
+
+FP8 = torch.float8_e4m3fn
+# (r, rope): the conftest DIMS' latents, odd ones, no rope, DeepSeek's.
+SHAPES = [(16, 4), (40, 6), (32, 0), (96, 32), (512, 64)]
+# (q dtype, cache dtype)
+DTYPES = [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, FP8),
+    (torch.float32, FP8),
+]
+
+
+def _dims(H: int, r: int, rope: int) -> mb.MLADims:
+    return mb.MLADims(H, r, 8, rope, 8)
+
+
+def _run_case(
+    H,
+    r,
+    rope,
+    prefix,
+    new,
+    page,
+    qdt,
+    cdt,
+    seed=0,
+    splits=0,
+    scale=None,
+    garbage_table=False,
+    strided=False,
+):
+    case = make_case(_dims(H, r, rope), prefix, new, page, dtype=qdt, cache_dtype=cdt, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    T = sum(new)
+    q_lat = torch.randn(T, H, r, generator=g).to(qdt)
+    q_pe = torch.randn(T, H, rope, generator=g).to(qdt)
+    if strided:  # views with padded head / token strides
+        big = torch.randn(T, H + 2, r + rope + 5, generator=g).to(qdt)
+        big[:, :H, :r] = q_lat
+        big[:, :H, r + 5 :] = q_pe
+        q_lat, q_pe = big[:, :H, :r], big[:, :H, r + 5 :]
+    bt = case.batch.block_table.to(torch.int32).clone()
+    if garbage_table:  # columns past each request's pages may hold anything
+        for i, (p, n) in enumerate(zip(prefix, new)):
+            used = -(-(p + n) // page)
+            bt[i, used:] = 10**6 + i
+    cu = torch.tensor(case.batch.cu_new, dtype=torch.int32)
+    kvl = torch.tensor(case.batch.kv_lens, dtype=torch.int32)
+    scale = scale if scale is not None else 1.0 / math.sqrt(r + rope)
+    o, lse = native.absorbed_attention(
+        q_lat, q_pe, case.kv_cache, bt, cu, kvl, scale, case.kv_scale, splits
+    )
+    return case, q_lat, q_pe, scale, o, lse
+
+
+def _references(case, q_lat, q_pe, scale, qdt):
+    """(o64, lse64, o_plain): float64 reference and a plain compute-dtype one (fp32 scores and
+    softmax, probabilities rounded to the compute dtype before P·V, fp32 accumulation, the
+    output rounded to the compute dtype)."""
+    T, H, r = q_lat.shape
+    o64 = torch.zeros(T, H, r, dtype=torch.float64)
+    lse64 = torch.zeros(T, H, dtype=torch.float64)
+    o_pl = torch.zeros(T, H, r, dtype=torch.float32)
+    cu = case.batch.cu_new
+    for i, (c, kp) in enumerate(zip(case.c_kv, case.k_pe)):
+        n = cu[i + 1] - cu[i]
+        if n == 0:
+            continue
+        L = c.shape[0]
+        ql, qp = q_lat[cu[i] : cu[i + 1]], q_pe[cu[i] : cu[i + 1]]
+        pos = torch.arange(L)
+        qpos = L - n + torch.arange(n)
+        mask = pos[None, :] > qpos[:, None]  # [n, L]
+        # float64
+        s = (ql.double() @ c.double().T + qp.double() @ kp.double().T) * scale  # [n, H, L]
+        s = s.masked_fill(mask[:, None, :], float("-inf"))
+        lse64[cu[i] : cu[i + 1]] = torch.logsumexp(s, -1)
+        o64[cu[i] : cu[i + 1]] = torch.softmax(s, -1) @ c.double()
+        # plain compute dtype
+        cq = c.to(qdt).float()
+        kq = kp.to(qdt).float()
+        s32 = (ql.float() @ cq.T + qp.float() @ kq.T) * scale
+        s32 = s32.masked_fill(mask[:, None, :], float("-inf"))
+        m = s32.amax(-1, keepdim=True)
+        p = torch.exp(s32 - m)
+        lsum = p.sum(-1, keepdim=True)
+        o_pl[cu[i] : cu[i + 1]] = ((p.to(qdt).float() @ cq) / lsum).to(qdt).float()
+    return o64, lse64, o_pl
+
+
+def _check(case, q_lat, q_pe, scale, o, lse, qdt):
+    T, H, r = q_lat.shape
+    assert o.shape == (T, H, r) and o.dtype == qdt
+    assert lse.shape == (T, H) and lse.dtype == torch.float32
+    o64, lse64, o_pl = _references(case, q_lat, q_pe, scale, qdt)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    err = (o.double() - o64).abs().max().item()
+    lse_err = (lse.double() - lse64).abs().max().item()
+    assert lse_err <= 1e-3, f"lse error {lse_err:.2e}"
+    if qdt == torch.float32:
+        bound = 2e-5 * max(1.0, o64.abs().max().item())
+        assert err <= bound, f"fp32 error {err:.3e} > {bound:.3e}"
+    else:
+        err_pl = (o_pl.double() - o64).abs().max().item()
+        assert err <= 1.1 * err_pl + 1e-6, f"error {err:.3e} > 1.1 x plain {qdt} {err_pl:.3e}"
+    return err, lse_err
+
+
+MIXED = ([0, 5, 37, 0, 64, 3], [1, 1, 4, 9, 1, 0])  # zero-prefix extends, decodes, n=0 request
+
+
+@pytest.mark.parametrize("qdt,cdt", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("r,rope", SHAPES, ids=lambda x: str(x))
+def test_dims_and_dtypes_mixed_batch(r, rope, qdt, cdt):
+    res = _run_case(16, r, rope, *MIXED, 16, qdt, cdt, seed=r + rope)
+    _check(res[0], *res[1:4], *res[4:], qdt)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("H", [1, 3, 9, 16, 63, 128])
+def test_heads_and_pages(H, page):
+    prefix, new = [3, 70, 0, 130], [1, 2, 5, 1]
+    for qdt, cdt in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]:
+        res = _run_case(H, 40, 8, prefix, new, page, qdt, cdt, seed=H * 7 + page)
+        _check(res[0], *res[1:4], *res[4:], qdt)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 2, 3, 7, 100])
+@pytest.mark.parametrize(
+    "qdt,cdt",
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8), (torch.float32, torch.float32)],
+    ids=str,
+)
+def test_kv_splits_and_layouts(splits, qdt, cdt):
+    prefix, new = [700, 0, 300, 1000], [1, 20, 6, 3]
+    res = _run_case(
+        9,
+        64,
+        16,
+        prefix,
+        new,
+        16,
+        qdt,
+        cdt,
+        seed=splits,
+        splits=splits,
+        garbage_table=True,
+        strided=True,
+    )
+    _check(res[0], *res[1:4], *res[4:], qdt)
+
+
+def test_sharp_softmax_scale():
+    for qdt, cdt in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]:
+        res = _run_case(16, 64, 16, [200, 50], [1, 4], 16, qdt, cdt, scale=0.5)
+        _check(res[0], *res[1:4], *res[4:], qdt)
+
+
+@pytest.mark.parametrize(
+    "qdt,cdt", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8)], ids=str
+)
+def test_long_context_8k(qdt, cdt):
+    res = _run_case(16, 512, 64, [8191, 3000, 6000], [1, 1, 2], 64, qdt, cdt, seed=3)
+    _check(res[0], *res[1:4], *res[4:], qdt)
+
+
+@pytest.mark.slow
+def test_long_context_32k():
+    for qdt, cdt in [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8)]:
+        res = _run_case(16, 512, 64, [32767], [1], 64, qdt, cdt, seed=5)
+        _check(res[0], *res[1:4], *res[4:], qdt)
+
+
+def test_hypothesis_shapes_and_layouts():
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+
+    @hyp.settings(max_examples=30, deadline=None, derandomize=True)
+    @hyp.given(
+        H=st.integers(1, 20),
+        r=st.integers(1, 80),
+        rope=st.sampled_from([0, 2, 6, 16, 34]),
+        page=st.sampled_from([1, 2, 3, 16, 64]),
+        reqs=st.lists(st.tuples(st.integers(0, 150), st.integers(0, 6)), min_size=1, max_size=4),
+        dt=st.sampled_from(DTYPES),
+        splits=st.sampled_from([0, 1, 2, 5]),
+        seed=st.integers(0, 1000),
+    )
+    def run(H, r, rope, page, reqs, dt, splits, seed):
+        prefix = [p for p, _ in reqs]
+        new = [n for _, n in reqs]
+        if sum(new) == 0:
+            new[0] = 1
+        qdt, cdt = dt
+        res = _run_case(
+            H,
+            r,
+            rope,
+            prefix,
+            new,
+            page,
+            qdt,
+            cdt,
+            seed=seed,
+            splits=splits,
+            garbage_table=seed % 2 == 0,
+            strided=seed % 3 == 0,
+        )
+        _check(res[0], *res[1:4], *res[4:], qdt)
+
+    run()
+
+
+# ---- write_latent ------------------------------------------------------------------------
+@pytest.mark.parametrize("cdt", [FP8, torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16], ids=str)
+def test_write_latent_bitwise(cdt, src):
+    g = torch.Generator().manual_seed(0)
+    r, rope, ps, pages, T = 40, 6, 16, 8, 50
+    c = (torch.randn(T, r, generator=g) * 10).to(src)
+    k = (torch.randn(T, rope, generator=g) * 10).to(src)
+    # extremes: saturation, subnormal range, signed zero, ties
+    c[0, :8] = torch.tensor([1e6, -1e6, 1e-6, -1e-6, 0.0, -0.0, 448 * 0.02, 3.3e-4]).to(src)
+    slots = torch.randperm(pages * ps, generator=g)[:T].to(torch.int32)
+    slots[::7] = -1
+    scale = torch.tensor(0.02) if cdt == FP8 else None
+    cache = torch.full((pages, ps, r + rope), 1.0).to(cdt)
+    expect = cache.clone()
+    native.write_latent(cache, c, k, slots, scale)
+    row = torch.cat([c, k], -1).float()
+    if cdt == FP8:
+        row = (row / scale).clamp(-448, 448).to(FP8)
+    else:
+        row = torch.cat([c, k], -1).to(cdt)
+    flat = expect.view(-1, r + rope)
+    keep = slots >= 0
+    flat[slots[keep].long()] = row[keep]
+    assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
+
+
+def test_write_latent_all_fp8_bytes():
+    """Every fp8 code point (decoded x scale) round-trips, and a dense sweep of values matches
+    torch's rounding bit for bit."""
+    vals = torch.linspace(-500, 500, 200003)
+    vals = torch.cat([vals, torch.arange(256, dtype=torch.uint8).view(FP8).float()])
+    vals = vals[torch.isfinite(vals)]
+    T = vals.numel() // 4
+    c = vals[: T * 4].view(T, 4)
+    cache = torch.zeros(T, 1, 4, dtype=FP8)
+    scale = torch.tensor(1.0)
+    native.write_latent(cache, c, torch.zeros(T, 0), torch.arange(T, dtype=torch.int64), scale)
+    ref = c.clamp(-448, 448).to(FP8)
+    assert torch.equal(cache.view(torch.uint8).view(T, 4), ref.view(torch.uint8))
+
+
+# ---- errors, fakes, loader ---------------------------------------------------------------
+def test_bad_inputs_raise_clear_errors():
+    case = make_case(_dims(4, 16, 4), [5], [1], 4)
+    q, qp = torch.randn(1, 4, 16), torch.randn(1, 4, 4)
+    bt = case.batch.block_table.to(torch.int32)
+    cu, kvl = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="q_lat dtype Double is not supported"):
+        native.absorbed_attention(q.double(), qp.double(), case.kv_cache, bt, cu, kvl, 0.1)
+    with pytest.raises(RuntimeError, match="r \\+ rope"):
+        native.absorbed_attention(q[..., :8], qp, case.kv_cache, bt, cu, kvl, 0.1)
+    bad = bt.clone()
+    bad[0, 0] = 999
+    with pytest.raises(RuntimeError, match="999"):
+        native.absorbed_attention(q, qp, case.kv_cache, bad, cu, kvl, 0.1)
+    with pytest.raises(RuntimeError, match="kv_lens\\[0\\] = 0"):
+        native.absorbed_attention(
+            q, qp, case.kv_cache, bt, cu, torch.zeros(1, dtype=torch.int32), 0.1
+        )
+    with pytest.raises(RuntimeError, match="num_kv_splits=-1"):
+        native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, -1)
+
+
+def test_fake_tensor_mode_is_opaque():
+    from torch._subclasses import FakeTensorMode
+
+    case = make_case(_dims(4, 16, 4), [5, 0], [1, 3], 4, dtype=torch.bfloat16)
+    args = (
+        torch.randn(4, 4, 16).bfloat16(),
+        torch.randn(4, 4, 4).bfloat16(),
+        case.kv_cache,
+        case.batch.block_table.to(torch.int32),
+        torch.tensor([0, 1, 4], dtype=torch.int32),
+        torch.tensor([6, 3], dtype=torch.int32),
+    )
+    with FakeTensorMode() as mode:
+        fargs = [mode.from_tensor(a) for a in args]
+        o, lse = torch.ops.mla_backend.native_absorbed_attention(*fargs, 0.25, None, 0)
+        assert o.shape == (4, 4, 16) and o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        torch.ops.mla_backend.native_write_latent(
+            fargs[2],
+            mode.from_tensor(torch.randn(2, 16)),
+            mode.from_tensor(torch.randn(2, 4)),
+            mode.from_tensor(torch.tensor([1, 2])),
+            None,
+        )
+
+
+def test_simulated_build_failure_warns_once(monkeypatch):
+    saved = dict(native._state)
+
+    def boom():
+        raise OSError("no C++ compiler found (simulated)")
+
+    monkeypatch.setattr(native, "_build", boom)
+    native._state.update(tried=False, ok=False, reason=None, warned=False)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert native.available() is False
+            assert native.available() is False
+        assert "simulated" in native.unavailable_reason()
+        msgs = [x for x in w if "native CPU kernels are unavailable" in str(x.message)]
+        assert len(msgs) == 1, [str(x.message) for x in w]
+        with pytest.raises(RuntimeError, match="simulated"):
+            native.absorbed_attention(*([None] * 6), 1.0)
+    finally:
+        native._state.clear()
+        native._state.update(saved)
