@@ -29,13 +29,15 @@ def write_latent(
     """Write ``[c_kv ; k_pe]`` of T tokens into the paged cache (slot < 0 = padding, skipped).
 
     Args:
-        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, in place.
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, or uint8
+            [num_pages, page_size, bytes] in the ``fp8_ds_mla`` layout
+            (:mod:`mla_backend.cache_layout`), in place.
         c_kv: [T, r]; k_pe: [T, rope]; slot_mapping: [>= T] int32/int64 flat slot per token.
         kv_scale: float32 scalar tensor for an fp8 cache (stored = value / scale).
         impl: kernel implementation override (default: the device's, see
             :func:`mla_backend.ops.get_impl`).
     """
-    check_cache(kv_cache, c_kv.shape[-1] + k_pe.shape[-1], kv_scale)
+    check_cache(kv_cache, c_kv.shape[-1], k_pe.shape[-1], kv_scale, c_kv.dtype)
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping dtype {slot_mapping.dtype} is not supported; use int32/64")
     if c_kv.dim() != 2 or k_pe.dim() != 2:

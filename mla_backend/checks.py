@@ -8,33 +8,53 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .cache_layout import CacheLayout
 from .fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
     from .plan import MLAPlan
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE, torch.uint8)
 
 
-def check_cache(kv_cache: torch.Tensor, latent_dim: int, kv_scale: torch.Tensor | None) -> None:
-    """Validate a paged latent cache [num_pages, page_size, r + rope]."""
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != latent_dim:
-        raise ValueError(
-            f"kv_cache shape {tuple(kv_cache.shape)} is not supported: expected "
-            f"[num_pages, page_size, {latent_dim}] (kv_lora_rank + qk_rope_head_dim)"
-        )
+def check_cache(
+    kv_cache: torch.Tensor,
+    r: int,
+    rope: int,
+    kv_scale: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+) -> None:
+    """Validate a paged latent cache [num_pages, page_size, width] (its layout:
+    :mod:`mla_backend.cache_layout`)."""
     if kv_cache.dtype not in CACHE_DTYPES:
         raise ValueError(
             f"kv_cache dtype {kv_cache.dtype} is not supported; supported: "
-            "bfloat16, float16, float32, float8_e4m3fn"
+            "bfloat16, float16, float32, float8_e4m3fn (per-tensor scale), uint8 (fp8_ds_mla)"
         )
-    if kv_scale is not None and kv_cache.dtype != FP8_DTYPE:
-        raise ValueError(f"kv_scale is only meaningful for an fp8 cache, not {kv_cache.dtype}")
+    layout = CacheLayout.of(kv_cache, r, rope, compute_dtype)
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != layout.width:
+        what = (
+            f"{layout.width} bytes (fp8_ds_mla rows for r={r}, rope={rope} in {compute_dtype})"
+            if layout.kind == "fp8_ds_mla"
+            else f"{layout.width} (kv_lora_rank + qk_rope_head_dim)"
+        )
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} is not supported: expected "
+            f"[num_pages, page_size, {layout.width}]: {what}"
+        )
+    if layout.kind == "fp8_ds_mla" and compute_dtype not in (torch.bfloat16, torch.float16,
+                                                            torch.float32):
+        raise ValueError(f"fp8_ds_mla keeps k_pe in the compute dtype, not {compute_dtype}")
+    if kv_scale is not None and layout.kind != "fp8":
+        raise ValueError(
+            f"kv_scale is only meaningful for a per-tensor fp8 cache, not {layout.kind} "
+            f"({kv_cache.dtype})"
+        )
     if kv_scale is not None and kv_scale.numel() != 1:
         raise ValueError(
             f"kv_scale of shape {tuple(kv_scale.shape)} is not supported: the fp8 latent cache "
-            "takes one per-tensor scale"
+            "takes one per-tensor scale (use the fp8_ds_mla layout for per-token tile scales)"
         )
 
 
@@ -76,7 +96,7 @@ def check_step(
         raise ValueError(
             f"q_pe width {q_pe.shape[-1]} != qk_rope_head_dim {plan.dims.qk_rope_head_dim}"
         )
-    check_cache(kv_cache, latent_dim, kv_scale)
+    check_cache(kv_cache, latent_dim - q_pe.shape[-1], q_pe.shape[-1], kv_scale, q_a.dtype)
     if kv_cache.shape[1] != plan.page_size:
         raise ValueError(
             f"kv_cache page size {kv_cache.shape[1]} != the plan's page_size {plan.page_size}"

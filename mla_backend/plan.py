@@ -50,6 +50,7 @@ class PlanPart:
     one path in a step the policy splits. Query rows are packed in request order.
 
     Host data (python ints; sizes outputs and drives the torch path's loops):
+        dims: the step's MLA dims.
         reqs: indices of the part's requests in the step.
         prefix_lens: per request, tokens cached before this step.
         new_lens: per request, query tokens in this step.
@@ -67,6 +68,7 @@ class PlanPart:
         work: the kernels' work partition.
     """
 
+    dims: MLADims
     reqs: tuple[int, ...]
     prefix_lens: tuple[int, ...]
     new_lens: tuple[int, ...]
@@ -226,6 +228,7 @@ def _part(
     q_start = [q0 for n in new for q0 in range(0, n, block_q)]
     work = WorkPartition(block_q, _int32(q_req, device), _int32(q_start, device), splits)
     return PlanPart(
+        dims=dims,
         reqs=tuple(reqs),
         prefix_lens=prefix,
         new_lens=new,

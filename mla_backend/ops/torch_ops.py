@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..cache_layout import CacheLayout
 from ..fp8 import FP8_DTYPE, FP8_MAX
 from ..merge import merge_attention_states
 
@@ -97,7 +98,10 @@ class Kernels:
         flat = kv_cache.view(-1, D)
         slots = slot_mapping[:T].long()
         row = torch.cat([c_kv, k_pe], dim=-1) if k_pe.shape[-1] else c_kv
-        if kv_cache.dtype == FP8_DTYPE:
+        if kv_cache.dtype == torch.uint8:  # fp8_ds_mla rows, quantized per token and tile
+            layout = CacheLayout.ds_mla(c_kv.shape[-1], k_pe.shape[-1], c_kv.dtype)
+            row = layout.pack(c_kv, k_pe)
+        elif kv_cache.dtype == FP8_DTYPE:
             if kv_scale is not None:
                 row = row.float() / kv_scale.float()
             row = row.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
@@ -153,7 +157,8 @@ class Kernels:
         dtype: torch.dtype,
         kv_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        return _dequant(self._rows(kv_cache, part, i, start, end), dtype, kv_scale)
+        layout = _layout(kv_cache, part, dtype)
+        return _dequant(self._rows(kv_cache, part, i, start, end), dtype, kv_scale, layout)
 
     # -- normal path's attention -------------------------------------------------------
     def attention_with_lse(
@@ -197,8 +202,9 @@ class Kernels:
         """See :meth:`mla_backend.ops.KernelImpl.absorbed_attention`."""
         T, H, r = q_lat.shape
         rope = q_pe.shape[-1]
-        D = r + rope
         dev, cd = q_lat.device, q_lat.dtype
+        layout = _layout(kv_cache, part, cd)
+        W = kv_cache.shape[-1]  # row width as stored
         q = torch.cat([q_lat, q_pe.to(cd)], dim=-1) if rope else q_lat  # [T, H, D]
         o_lat = torch.empty(T, H, r, dtype=cd, device=dev)
         lse = torch.empty(T, H, dtype=torch.float32, device=dev)
@@ -211,24 +217,28 @@ class Kernels:
         groups, rest = self._decode_groups(part, H)
         if dev.type == "cpu" and H <= self.flash_max_heads:
             for g in groups:
-                self._decode_group_flash(q, kv_cache, part, g, softmax_scale, kv_scale, o_lat, lse)
+                self._decode_group_flash(
+                    q, kv_cache, part, g, softmax_scale, kv_scale, layout, o_lat, lse
+                )
             flash_buf = None
             for i in [i for i in rest if part.new_lens[i] == 1]:
                 if flash_buf is None:
                     pages = -(-min(self.flash_split_tokens, part.max_kv_len) // ps) + 1
-                    flash_buf = torch.empty(pages * ps * D, dtype=kv_cache.dtype, device=dev)
+                    flash_buf = torch.empty(pages * ps * W, dtype=kv_cache.dtype, device=dev)
                 t0 = part.cu_new[i]
                 o, l = self._flash_decode(
-                    q[t0 : t0 + 1], kv_cache, part, i, softmax_scale, kv_scale, flash_buf
+                    q[t0 : t0 + 1], kv_cache, part, i, softmax_scale, kv_scale, layout, flash_buf
                 )
                 o_lat[t0 : t0 + 1] = o[..., :r]
                 lse[t0 : t0 + 1] = l
             rest = [i for i in rest if part.new_lens[i] > 1]
         else:
             for g in groups:
-                self._decode_group(q, kv_cache, part, g, score_scale, kv_scale, o_lat, lse)
+                self._decode_group(
+                    q, kv_cache, part, g, score_scale, kv_scale, layout, o_lat, lse
+                )
         if rest:
-            self._extends(q, kv_cache, part, rest, score_scale, kv_scale, o_lat, lse)
+            self._extends(q, kv_cache, part, rest, score_scale, kv_scale, layout, o_lat, lse)
         return o_lat, lse
 
     def _split_tokens(self, rows: int, kv_len: int) -> int:
@@ -269,7 +279,12 @@ class Kernels:
         return groups, rest
 
     def _gather_group(
-        self, kv_cache: torch.Tensor, part: PlanPart, reqs: list[int], dtype: torch.dtype
+        self,
+        kv_cache: torch.Tensor,
+        part: PlanPart,
+        reqs: list[int],
+        dtype: torch.dtype,
+        layout: CacheLayout,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The latent rows of single-token requests ``reqs`` in one gather, padded to the
         longest: kv [G, Lmax, D] in ``dtype`` (a copy; rows past each request's length zeroed,
@@ -286,7 +301,9 @@ class Kernels:
         table = torch.where(valid, table, table[:, :1])  # padding columns may hold anything
         flat = kv_cache.view(kv_cache.shape[0], ps * D)
         kv = flat.index_select(0, table.reshape(-1)).view(len(reqs), npg * ps, D)
-        if kv.dtype != dtype:
+        if layout.kind == "fp8_ds_mla":
+            kv = layout.unpack(kv.view(-1, D), dtype).view(len(reqs), npg * ps, -1)
+        elif kv.dtype != dtype:
             kv = kv.to(dtype)
         for g, L in enumerate(lens_list):
             kv[g, L:].zero_()
@@ -301,6 +318,7 @@ class Kernels:
         reqs: list[int],
         score_scale: float | torch.Tensor,
         kv_scale: torch.Tensor | None,
+        layout: CacheLayout,
         o_lat: torch.Tensor,
         lse: torch.Tensor,
     ) -> None:
@@ -312,7 +330,7 @@ class Kernels:
         probabilities are rounded to the compute dtype and P·V accumulates in fp32 inside the
         GEMM, with one rounding of the output."""
         r = o_lat.shape[-1]
-        kv, pad = self._gather_group(kv_cache, part, reqs, q.dtype)
+        kv, pad = self._gather_group(kv_cache, part, reqs, q.dtype, layout)
         rows = torch.tensor([part.cu_new[i] for i in reqs], device=q.device)
         qg = q.index_select(0, rows)  # [G, H, D]
         scores = torch.bmm(kv.float(), qg.float().transpose(1, 2)).mul_(score_scale)
@@ -335,13 +353,14 @@ class Kernels:
         reqs: list[int],
         softmax_scale: float,
         kv_scale: torch.Tensor | None,
+        layout: CacheLayout,
         o_lat: torch.Tensor,
         lse: torch.Tensor,
     ) -> None:
         """Single-token requests ``reqs`` in one fused CPU flash call (the few-heads path): one
         gather, the requests as the batch dimension, padding masked out."""
         r = o_lat.shape[-1]
-        kv, pad = self._gather_group(kv_cache, part, reqs, q.dtype)
+        kv, pad = self._gather_group(kv_cache, part, reqs, q.dtype, layout)
         if kv_scale is not None:
             kv.mul_(kv_scale.to(kv.dtype))
         rows = torch.tensor([part.cu_new[i] for i in reqs], device=q.device)
@@ -363,6 +382,7 @@ class Kernels:
         i: int,
         softmax_scale: float,
         kv_scale: torch.Tensor | None,
+        layout: CacheLayout,
         gather_buf: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode request through the fused CPU flash kernel.
@@ -383,7 +403,8 @@ class Kernels:
         o = lse = None
         for s in range(0, L, self.flash_split_tokens):
             e = min(L, s + self.flash_split_tokens)
-            kv = _dequant(self._rows(kv_cache, part, i, s, e, out=gather_buf), cd, kv_scale)
+            rows = self._rows(kv_cache, part, i, s, e, out=gather_buf)
+            kv = _dequant(rows, cd, kv_scale, layout)
             c = e - s
             n_parts = max(1, min(parts_max, c // self.min_split_tokens))
             size = c // n_parts
@@ -413,6 +434,7 @@ class Kernels:
         reqs: list[int],
         score_scale: float | torch.Tensor,
         kv_scale: torch.Tensor | None,
+        layout: CacheLayout,
         o_lat: torch.Tensor,
         lse: torch.Tensor,
     ) -> None:
@@ -429,7 +451,8 @@ class Kernels:
         split_pages = -(-split // ps) + 1
         # One workspace, reused by every block and split: large fresh allocations cost page
         # faults on every call on CPU.
-        gather_buf = torch.empty(split_pages * ps * D, dtype=kv_cache.dtype, device=dev)
+        W = kv_cache.shape[-1]
+        gather_buf = torch.empty(split_pages * ps * W, dtype=kv_cache.dtype, device=dev)
         conv_buf = torch.empty(split_pages * ps, D, dtype=torch.float32, device=dev)
         f_buf = torch.empty(max_rows * split, dtype=torch.float32, device=dev)
         bufs = (gather_buf, conv_buf, f_buf)
@@ -440,7 +463,8 @@ class Kernels:
                 rows = (j1 - j0) * H
                 qi = q[t0 + j0 : t0 + j1].reshape(rows, D).float()
                 out, lse_b = self._attend_block(
-                    qi, kv_cache, part, i, P + j0, P + j1, score_scale, r, bufs, split, cd
+                    qi, kv_cache, part, i, P + j0, P + j1, score_scale, r, bufs, split, cd,
+                    layout,
                 )
                 if kv_scale is not None:
                     out.mul_(kv_scale.float())
@@ -460,6 +484,7 @@ class Kernels:
         bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         split: int,
         cd: torch.dtype,
+        layout: CacheLayout,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Consecutive new tokens of request ``i`` (token k of the block sees kv positions
         ``<= first_limit + k``) against kv rows ``[0, kv_end)``, split along the KV and merged
@@ -480,7 +505,11 @@ class Kernels:
         for s in range(0, kv_end, split):
             e = min(kv_end, s + split)
             c = e - s
-            kv = conv_buf[:c].copy_(self._rows(kv_cache, part, i, s, e, out=gather_buf))
+            rows_c = self._rows(kv_cache, part, i, s, e, out=gather_buf)
+            if layout.kind == "fp8_ds_mla":
+                kv = conv_buf[:c].copy_(layout.unpack(rows_c, torch.float32))
+            else:
+                kv = conv_buf[:c].copy_(rows_c)
             # scores transposed ([c, rows] = kv · q^T) runs faster than q · kv^T
             scores = torch.mm(kv, qi.t(), out=f_buf[: rows * c].view(c, rows)).mul_(score_scale)
             if e - 1 > first_limit:  # causal among the new tokens
@@ -506,8 +535,18 @@ class Kernels:
         return acc.div_(l_acc), m_acc + torch.log(l_acc)
 
 
-def _dequant(rows: torch.Tensor, dtype: torch.dtype, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """Cache rows in ``dtype``, times ``kv_scale`` (a tensor: never read on the host)."""
+def _layout(kv_cache: torch.Tensor, part: PlanPart, compute_dtype: torch.dtype) -> CacheLayout:
+    d = part.dims
+    return CacheLayout.of(kv_cache, d.kv_lora_rank, d.qk_rope_head_dim, compute_dtype)
+
+
+def _dequant(
+    rows: torch.Tensor, dtype: torch.dtype, kv_scale: torch.Tensor | None, layout: CacheLayout
+) -> torch.Tensor:
+    """Cache rows as stored -> [L, r + rope] in ``dtype``: fp8_ds_mla tiles times their own
+    scales, per-tensor fp8 times ``kv_scale`` (a tensor: never read on the host)."""
+    if layout.kind == "fp8_ds_mla":
+        return layout.unpack(rows, dtype)
     if kv_scale is None:
         return rows if rows.dtype == dtype else rows.to(dtype)
     return (rows.float() * kv_scale.float()).to(dtype)

@@ -10,6 +10,7 @@ import torch
 
 import mla_backend as mb
 
+from ..cache_layout import CacheLayout
 from .reference import reference_mla_attention
 
 # (H, r, nope, rope, v): tiny, odd (non power of two, v != nope), no rope, DeepSeek-V2-Lite.
@@ -53,6 +54,21 @@ class Case:
         )
 
 
+def ds_mla_dequantized(c_kv: torch.Tensor, tile: int = 128) -> torch.Tensor:
+    """What an ``fp8_ds_mla`` cache holds for c_kv [L, r], written out plainly per token and
+    tile (independent of :class:`CacheLayout`): scale = max(amax / 448, FLT_MIN), values
+    e4m3(clamp(x / scale)), read back as e4m3 * scale. Returns float32 [L, r]."""
+    tiny = torch.finfo(torch.float32).tiny
+    out = torch.empty(c_kv.shape, dtype=torch.float32)
+    for t in range(c_kv.shape[0]):
+        for j0 in range(0, c_kv.shape[1], tile):
+            x = c_kv[t, j0 : j0 + tile].float()
+            scale = torch.clamp(x.abs().max() / 448.0, min=tiny)
+            q = torch.clamp(x / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+            out[t, j0 : j0 + tile] = q.float() * scale
+    return out
+
+
 def make_case(
     dims: mb.MLADims,
     prefix_lens: list[int],
@@ -66,7 +82,8 @@ def make_case(
 ) -> Case:
     """Random latents written through ``write_latent`` into shuffled physical pages (page 0
     is left unused, like vLLM's null block; unwritten rows hold NaN), padding slots (-1)
-    mixed into the slot mapping."""
+    mixed into the slot mapping. ``cache_dtype=torch.uint8`` makes an ``fp8_ds_mla`` cache
+    (unwritten bytes 0xFF: NaN values and NaN scales)."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     r, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
@@ -78,7 +95,11 @@ def make_case(
     max_pages = max(pages_needed + [1]) + 1
     block_table = torch.zeros(len(prefix_lens), max_pages, dtype=torch.int32)
     # never-written cache memory holds NaN: any read outside a request's rows shows up
-    kv_cache = torch.full((num_pages, page_size, r + rope), float("nan")).to(cache_dtype)
+    if cache_dtype == torch.uint8:
+        width = CacheLayout.ds_mla(r, rope, dtype).width
+        kv_cache = torch.full((num_pages, page_size, width), 0xFF, dtype=torch.uint8)
+    else:
+        kv_cache = torch.full((num_pages, page_size, r + rope), float("nan")).to(cache_dtype)
     kv_scale = torch.tensor(0.02, dtype=torch.float32) if cache_dtype == mb.FP8_DTYPE else None
     c_seqs, p_seqs = [], []
     k = 0
@@ -104,6 +125,8 @@ def make_case(
             stored = torch.cat([c, kp], -1).float() / kv_scale
             deq = stored.clamp(-448, 448).to(mb.FP8_DTYPE).float() * kv_scale
             c, kp = deq[:, :r], deq[:, r:]
+        if cache_dtype == torch.uint8:
+            c = ds_mla_dequantized(c)
         c_seqs.append(c)
         p_seqs.append(kp)
     T = sum(new_lens)
