@@ -8,12 +8,19 @@ triton where installed), never vLLM or SGLang.
 
 from .attention import MLAAttention, absorbed_attention, normal_attention, write_latent
 from .batch import MLABatch, Phase
-from .dims import MLADims, yarn_mscale, yarn_softmax_scale
+from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .merge import merge_attention_states
 from .plan import MLAPlan, PlanPart, WorkPartition, plan
 from .policy import PathChoice, Policy
-from .weights import AbsorbWeights, absorb_q, apply_W_UV, split_kv_b_proj
+from .weights import (
+    AbsorbWeights,
+    absorb_q,
+    apply_W_UV,
+    split_kv_b_proj,
+    weights_from_kv_b_proj,
+    weights_from_w_kc_w_vc,
+)
 
 __version__ = "0.1.0"
 
@@ -32,6 +39,7 @@ __all__ = [
     "absorbed_attention",
     "apply_W_UV",
     "dequantize_fp8",
+    "dims_from",
     "fp8_bmm",
     "merge_attention_states",
     "normal_attention",
@@ -39,6 +47,8 @@ __all__ = [
     "quantize_fp8",
     "split_kv_b_proj",
     "WorkPartition",
+    "weights_from_kv_b_proj",
+    "weights_from_w_kc_w_vc",
     "write_latent",
     "yarn_mscale",
     "yarn_softmax_scale",

@@ -112,6 +112,46 @@ class MLADims:
         )
 
 
+#: Attribute names of the per-rank query head count, in lookup order: SGLang's
+#: ``DeepseekV2AttentionMLA.num_local_heads``, vLLM's MLA layer / impl ``num_heads``, a Hugging
+#: Face config's ``num_attention_heads`` (all heads: pass ``num_heads`` under tensor parallelism).
+_HEAD_ATTRS = ("num_local_heads", "num_heads", "num_attention_heads")
+
+
+def dims_from(source: Any, num_heads: int | None = None) -> MLADims:
+    """``MLADims`` from a Hugging Face DeepSeek-V2/V3 config (object or dict), an engine's
+    model config (SGLang's ``ModelConfig`` carries the MLA fields itself), or an engine's MLA
+    attention layer (vLLM's ``MLAAttention`` or its impl, SGLang's ``DeepseekV2AttentionMLA``).
+
+    Args:
+        source: anything with ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+            ``v_head_dim``, a head count (``num_local_heads``, ``num_heads`` or
+            ``num_attention_heads``, in that order), optional ``q_lora_rank`` / ``hidden_size``.
+        num_heads: heads on this rank; overrides the source's head count.
+    Raises:
+        ValueError: a field is missing (naming it) or out of range (naming the value).
+    """
+    get = source.get if isinstance(source, Mapping) else lambda k, d=None: getattr(source, k, d)
+    fields = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    missing = [k for k in fields if get(k) is None]
+    heads = num_heads
+    if heads is None:
+        heads = next((get(k) for k in _HEAD_ATTRS if get(k) is not None), None)
+        if heads is None:
+            missing.append("/".join(_HEAD_ATTRS))
+    if missing:
+        raise ValueError(
+            f"{type(source).__name__} does not describe an MLA (DeepSeek-V2/V3) layer: missing "
+            f"{', '.join(missing)}"
+        )
+
+    return MLADims(
+        num_heads=heads,
+        **{k: get(k) for k in fields},
+        q_lora_rank=get("q_lora_rank"),
+        hidden_size=get("hidden_size"),
+    )
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """DeepSeek's yarn attention-magnitude correction: 0.1 * mscale * ln(scale) + 1."""
     if scale <= 1.0:

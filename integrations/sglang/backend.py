@@ -16,8 +16,10 @@ through two ``RadixAttention`` layers that share one ``layer_id`` (and one laten
   + new tokens: the core decompresses (chunked for a long prefix, merged by LSE) and, for a
   batch the policy splits, serves its short extends absorbed. Returns [T, H*v].
 
-Which method runs is decided per batch by the forward-method handler (``handler.py``) from the
-core's policy. The pool's buffer ``[num_slots, 1, r+rope]`` is viewed as the core's paged
+Once per forward, ``init_forward_metadata`` makes the core's batch and its plan
+(``mb.plan``: the policy's decision per request, made once); the forward-method handler
+(``handler.py``) answers ``MHA`` iff ``plan.uses_normal``, every layer reads the same plan.
+The pool's buffer ``[num_slots, 1, r+rope]`` is viewed as the core's paged
 cache ``[num_slots // page_size, page_size, r+rope]``; fp8 (e4m3) pools store unscaled values
 (SGLang's MLA pool writes without a scale), so ``kv_scale`` is None.
 
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from mla_backend_integrations._common import pad_rows
+from mla_backend_integrations.sglang import BACKEND_NAME
 from mla_backend_integrations.sglang.batch import build_mla_batch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
@@ -39,17 +43,16 @@ import mla_backend as mb
 
 logger = logging.getLogger("mla_backend.sglang")
 
-BACKEND_NAME = "mla_absorb"
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ALLOWED_KWARGS = {"q_rope", "k_rope"}
 
 
 @dataclass
 class MLAAbsorbMetadata:
-    """Per-forward metadata: the core's batch and the policy's per-batch answer."""
+    """Per-forward metadata: the core's plan of the step (policy decision included)."""
 
-    batch: mb.MLABatch
-    use_normal: bool
+    plan: mb.MLAPlan
 
 
 def _fail(msg: str) -> None:
@@ -69,10 +72,18 @@ class MLAAbsorbBackend(AttentionBackend):
         mc = model_runner.model_config
         self.device = torch.device(model_runner.device)
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
-        self.kv_lora_rank = int(mc.kv_lora_rank)
-        self.qk_rope_head_dim = int(mc.qk_rope_head_dim)
-        self.qk_nope_head_dim = int(getattr(mc, "qk_nope_head_dim", self.kv_lora_rank))
-        self.v_head_dim = int(getattr(mc, "v_head_dim", self.kv_lora_rank))
+        heads = (
+            mc.get_num_attention_heads(getattr(model_runner, "tp_size", 1) or 1)
+            if hasattr(mc, "get_num_attention_heads")
+            else mc.num_attention_heads
+        )
+        # SGLang's ModelConfig carries the MLA fields itself; all layers share the dims
+        self.dims = mb.dims_from(mc, num_heads=int(heads))
+        self.num_heads = self.dims.num_heads
+        self.kv_lora_rank = self.dims.kv_lora_rank
+        self.qk_rope_head_dim = self.dims.qk_rope_head_dim
+        self.qk_nope_head_dim = self.dims.qk_nope_head_dim
+        self.v_head_dim = self.dims.v_head_dim
         self.kv_cache_dtype = model_runner.kv_cache_dtype
         self.data_type = getattr(model_runner, "dtype", None)
         if self.kv_cache_dtype not in SUPPORTED_KV_DTYPES:
@@ -105,11 +116,6 @@ class MLAAbsorbBackend(AttentionBackend):
             if getattr(translator, "reads_are_translated", False):
                 _fail("a translating (unified) KV pool is not supported")
             self.kv_index_translator = translator
-        self.num_heads = int(
-            mc.get_num_attention_heads(getattr(model_runner, "tp_size", 1) or 1)
-            if hasattr(mc, "get_num_attention_heads")
-            else mc.num_attention_heads
-        )
         self.policy = mb.Policy.from_env()
         self.forward_metadata: MLAAbsorbMetadata | None = None
         # layer_id -> DeepseekV2AttentionMLA (weakly), bound by the forward-method handler.
@@ -155,27 +161,19 @@ class MLAAbsorbBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: Any) -> None:
-        """Translate the ForwardBatch once per forward; every layer reuses it."""
+        """Translate the ForwardBatch and plan the step once per forward; every layer (and
+        the forward-method handler) reads the plan."""
         batch = build_mla_batch(forward_batch, self.req_to_token, self.page_size)
-        use_normal = self.policy.batch_uses_normal(batch, self._dims(), self.device.type)
-        self.forward_metadata = MLAAbsorbMetadata(batch=batch, use_normal=use_normal)
+        plan = mb.plan(batch, self.dims, self.policy, device=self.device)
+        self.forward_metadata = MLAAbsorbMetadata(plan=plan)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
         self.init_forward_metadata(forward_batch)
 
-    def _dims(self) -> mb.MLADims:
-        return mb.MLADims(
-            num_heads=self.num_heads,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            v_head_dim=self.v_head_dim,
-        )
-
-    def _batch(self, forward_batch: Any) -> mb.MLABatch:
+    def _plan(self, forward_batch: Any) -> mb.MLAPlan:
         if self.forward_metadata is None:
             self.init_forward_metadata(forward_batch)
-        return self.forward_metadata.batch
+        return self.forward_metadata.plan
 
     def paged_cache(self, layer_id: int) -> torch.Tensor:
         """The pool's buffer of ``layer_id`` as the core's [num_pages, page_size, r+rope]."""
@@ -195,51 +193,46 @@ class MLAAbsorbBackend(AttentionBackend):
             self._cores.pop(lid, None)
 
     def _weights(self, layer: Any) -> mb.AbsorbWeights:
-        dims = self._dims()
+        """The layer's ``W_UK`` / ``W_UV`` in the model's dtype: the model's own ``w_kc`` /
+        ``w_vc`` (shared, not copied, when already in that dtype), else ``kv_b_proj``."""
+        dtype = self.data_type if self.data_type in _MODEL_DTYPES else None
         ref = self._owners.get(layer.layer_id)
         owner = ref() if ref is not None else None
         if owner is not None and getattr(owner, "w_kc", None) is not None:
-            w_kc, w_vc = owner.w_kc, owner.w_vc  # [H, nope, r], [H, r, v]
             if getattr(owner, "use_deep_gemm_bmm", False):
                 _fail("block-scaled DeepGEMM absorption weights are not supported")
-            if w_kc.dtype == torch.float8_e4m3fn:
-                scale = torch.as_tensor(owner.w_scale, dtype=torch.float32, device=w_kc.device)
-                w_kc = (w_kc.float() * scale).to(torch.bfloat16)
-                w_vc = (w_vc.float() * scale).to(torch.bfloat16)
-            # kv_b_proj.weight [H*(nope+v), r] rebuilt from SGLang's (possibly repacked) split
-            kv_b = torch.cat([w_kc, w_vc.transpose(1, 2)], dim=1).reshape(-1, w_kc.shape[-1])
-            return mb.split_kv_b_proj(kv_b, dims)
+            return mb.weights_from_w_kc_w_vc(
+                owner.w_kc, owner.w_vc, self.dims, w_scale=getattr(owner, "w_scale", None),
+                dtype=dtype,
+            )
         proj = getattr(layer, "kv_b_proj", None)
         if proj is None:
             _fail(
                 f"layer {layer.layer_id}: no kv_b_proj weights for the normal (MHA) path; the "
                 "mla_absorb forward-method handler binds them (is the plugin loaded?)"
             )
-        scale = getattr(proj, "weight_scale_inv", None)
-        if scale is None:
-            scale = getattr(proj, "weight_scale", None)
-        w = proj.weight
-        return mb.split_kv_b_proj(w, dims, weight_scale=scale if w.dtype.itemsize == 1 else None)
+        return mb.weights_from_kv_b_proj(proj, self.dims, dtype=dtype)
 
     def _core(self, layer: Any) -> mb.MLAAttention:
         core = self._cores.get(layer.layer_id)
         if core is None:
-            core = mb.MLAAttention(self._dims(), self._weights(layer), layer.scaling, self.policy)
+            core = mb.MLAAttention(self.dims, self._weights(layer), layer.scaling)
             self._cores[layer.layer_id] = core
         return core
 
-    def _note_path(self, kind: str, batch: mb.MLABatch) -> None:
-        """Log (INFO) the first batch of each (path, phase, has-prefix) combination."""
-        key = (kind, batch.phase.value, any(batch.prefix_lens))
+    def _note_path(self, kind: str, plan: mb.MLAPlan) -> None:
+        """Log (INFO) the first step of each (path, phase, has-prefix) combination."""
+        step = plan.step
+        key = (kind, plan.phase.value, any(step.prefix_lens))
         if key not in self._seen_paths:
             self._seen_paths.add(key)
             logger.info(
                 "mla_absorb path=%s phase=%s has_prefix=%s prefix_lens=%s new_lens=%s",
                 kind,
-                batch.phase.value,
+                plan.phase.value,
                 key[2],
-                batch.prefix_lens[:8],
-                batch.new_lens[:8],
+                list(step.prefix_lens[:8]),
+                list(step.new_lens[:8]),
             )
 
     # ------------------------------------------------------------------ forward
@@ -263,12 +256,12 @@ class MLAAbsorbBackend(AttentionBackend):
         extra = {name for name in extra if kwargs[name] is not None}
         if extra:
             _fail(f"unsupported attention arguments {sorted(extra)} (sparse/sink attention)")
-        batch = self._batch(forward_batch)
+        plan = self._plan(forward_batch)
         if self._is_mha_call(layer):
-            return self._forward_normal(q, layer, forward_batch, batch)
-        return self._forward_absorbed(q, k, layer, forward_batch, batch, save_kv_cache, kwargs)
+            return self._forward_normal(q, layer, forward_batch, plan)
+        return self._forward_absorbed(q, k, layer, forward_batch, plan, save_kv_cache, kwargs)
 
-    def _forward_absorbed(self, q, k, layer, forward_batch, batch, save_kv_cache, kwargs):
+    def _forward_absorbed(self, q, k, layer, forward_batch, plan, save_kv_cache, kwargs):
         r, rope, H = self.kv_lora_rank, self.qk_rope_head_dim, layer.tp_q_head_num
         q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
         T = q.shape[0]
@@ -286,21 +279,14 @@ class MLAAbsorbBackend(AttentionBackend):
                 kk = k.reshape(-1, r + rope)
                 c_kv, k_pe = kk[:, :r], kk[:, r:]
             mb.write_latent(kv_cache, c_kv, k_pe, forward_batch.out_cache_loc[: c_kv.shape[0]])
-        if batch.num_tokens != T:
-            if batch.num_tokens > T:
-                _fail(f"{T} query rows for a batch of {batch.num_tokens} tokens")
-            out = q.new_zeros(T, H, r)
-            o_lat, _ = mb.absorbed_attention(
-                q_lat[: batch.num_tokens], q_pe[: batch.num_tokens], kv_cache, batch, layer.scaling
-            )
-            out[: batch.num_tokens] = o_lat
-            self._note_path("absorbed", batch)
-            return out.reshape(T, H * r)
-        o_lat, _ = mb.absorbed_attention(q_lat, q_pe, kv_cache, batch, layer.scaling)
-        self._note_path("absorbed", batch)
-        return o_lat.reshape(T, H * r)
+        n = plan.num_tokens
+        if n > T:
+            _fail(f"{T} query rows for a step of {n} tokens")
+        o_lat, _ = mb.absorbed_attention(q_lat[:n], q_pe[:n], kv_cache, plan, layer.scaling)
+        self._note_path("absorbed", plan)
+        return pad_rows(o_lat, T).reshape(T, H * r)
 
-    def _forward_normal(self, q, layer, forward_batch, batch):
+    def _forward_normal(self, q, layer, forward_batch, plan):
         if getattr(forward_batch, "mha_return_lse", False):
             _fail(
                 "chunked-KV MHA calls (returning LSE) are not used by mla_absorb: the core "
@@ -309,13 +295,10 @@ class MLAAbsorbBackend(AttentionBackend):
         H, nope, rope = layer.tp_q_head_num, self.qk_nope_head_dim, self.qk_rope_head_dim
         T = q.shape[0]
         qv = q.reshape(T, H, nope + rope)
-        n = batch.num_tokens
+        n = plan.num_tokens
+        if n > T:
+            _fail(f"{T} query rows for a step of {n} tokens")
         core = self._core(layer)
-        o = core(qv[:n, :, :nope], qv[:n, :, nope:], self.paged_cache(layer.layer_id), batch)
-        if core.last_choice is not None:
-            self._note_path(f"normal-call:{core.last_choice.batch_mode}", batch)
-        if n != T:
-            out = q.new_zeros(T, H, self.v_head_dim)
-            out[:n] = o
-            o = out
-        return o.reshape(T, H * self.v_head_dim)
+        o = core(qv[:n, :, :nope], qv[:n, :, nope:], self.paged_cache(layer.layer_id), plan)
+        self._note_path(f"normal-call:{plan.mode}", plan)
+        return pad_rows(o, T).reshape(T, H * self.v_head_dim)

@@ -2,8 +2,9 @@
 
 SGLang's ``DeepseekV2AttentionMLA.dispatch_attn_forward_method`` asks
 ``AttentionBackendRegistry.get_handler(<backend name>)(attn, forward_batch)`` which forward
-method to run for the batch. We answer from ``mb.Policy.batch_uses_normal`` (computed once per
-forward in the backend's metadata):
+method to run for the batch. We answer from the step's plan, made once per forward in the
+backend's metadata (``plan.uses_normal``: the policy decided per request, once, in ``mb.plan``;
+no second per-batch rule here):
 
 - absorbed (``AttnForwardMethod.MLA``): decode, speculative verify / draft-extend, and extends
   the policy prices cheaper absorbed (short extends onto a prefix);
@@ -47,7 +48,7 @@ def handle_attention_mla_absorb(attn: Any, forward_batch: Any) -> AttnForwardMet
     backend.bind_layer(attn)
     if backend.forward_metadata is None:
         backend.init_forward_metadata(forward_batch)
-    if backend.forward_metadata.use_normal:
+    if backend.forward_metadata.plan.uses_normal:
         return AttnForwardMethod.MHA
     # Absorbed: never the fused-rope CPU (sgl-kernel) subtype, whose kernel bypasses us.
     return AttnForwardMethod.MLA

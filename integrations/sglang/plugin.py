@@ -18,9 +18,9 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger("mla_backend.sglang")
+from mla_backend_integrations.sglang import BACKEND_NAME
 
-BACKEND_NAME = "mla_absorb"
+logger = logging.getLogger("mla_backend.sglang")
 QK_ENV_VAR = "MLA_BACKEND_SGLANG_QK"
 
 

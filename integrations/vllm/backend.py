@@ -5,10 +5,11 @@ vLLM's ``MLAAttention`` layer projects the query, writes the latent cache throug
 metadata calls prefill) or ``impl.forward_mqa`` (tokens it calls decode, already absorbed).
 This backend's metadata marks every token as "prefill", so ``forward_mha`` receives the
 whole batch with the full query ``[T, H, nope + rope]``, and the core's
-:class:`mla_backend.MLAAttention` (its :class:`mla_backend.Policy` choosing absorbed or
-normal per request) computes it: decode and short extends through
-``mla_backend.absorbed_attention``, long prefills through ``mla_backend.normal_attention``.
-No query-length threshold and no batch reordering by vLLM is involved.
+:class:`mla_backend.MLAAttention` computes it, routed by the step's plan: the metadata builder
+makes one :class:`mla_backend.MLAPlan` per step (``mb.plan``: the policy's decision per
+request, the kernels' index tensors), every layer reads it. Decode and short extends run the
+absorbed path, long prefills the normal path. No query-length threshold and no batch
+reordering by vLLM is involved.
 
 Own metadata class (vLLM's ``MLACommonMetadata`` only accepts latent widths 320/512/576):
 any dims the core accepts work. Any block size, chunked prefill and prefix caching, fp8
@@ -17,11 +18,14 @@ latent cache (``--kv-cache-dtype fp8``), multi-token queries and ragged mixed ba
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from mla_backend_integrations.vllm.plugin import BACKEND_NAME, check_vllm_version
+from mla_backend_integrations._common import pad_rows
+from mla_backend_integrations.vllm import BACKEND_NAME
+from mla_backend_integrations.vllm.plugin import check_vllm_version
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -34,6 +38,8 @@ from vllm.v1.attention.backend import (
 )
 
 import mla_backend as mb
+
+logger = logging.getLogger("vllm.mla_absorb")
 
 #: ``--kv-cache-dtype`` values this backend accepts ("auto" = the model dtype).
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
@@ -78,11 +84,11 @@ class MLAAbsorbBackend(AttentionBackend):
 
 @dataclass
 class MLAAbsorbMetadata(AttentionMetadata):
-    """Per-step metadata: the core's :class:`mla_backend.MLABatch` plus the counters vLLM's
-    ``MLAAttention.forward_impl`` reads (it sees zero "decode" tokens, so all tokens go to
-    ``forward_mha``)."""
+    """Per-step metadata: the core's :class:`mla_backend.MLAPlan` (made once per step, read by
+    every layer) plus the counters vLLM's ``MLAAttention.forward_impl`` reads (it sees zero
+    "decode" tokens, so all tokens go to ``forward_mha``)."""
 
-    batch: mb.MLABatch
+    plan: mb.MLAPlan
     num_reqs: int
     num_actual_tokens: int
     max_query_len: int
@@ -123,6 +129,14 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         self.page_size = int(kv_cache_spec.block_size)
         spec = vllm_config.speculative_config
         self.num_spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
+        # every MLA layer of the model shares these dims (heads on this rank)
+        mc = vllm_config.model_config
+        self.dims = mb.dims_from(
+            mc.hf_text_config, num_heads=mc.get_num_attention_heads(vllm_config.parallel_config)
+        )
+        self.policy = mb.Policy.from_env()
+        self.device = torch.device(device)
+        self._modes_seen: set[str] = set()
 
     def build(
         self,
@@ -131,12 +145,21 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         fast_build: bool = False,
     ) -> MLAAbsorbMetadata:
         """Per-request ``prefix_lens = seq_lens - query_lens`` and ``new_lens = query_lens``
-        (host ints), the block table ``[num_reqs, max_pages]`` as is."""
+        (host ints), the block table ``[num_reqs, max_pages]`` as is, and the step's plan.
+
+        Host data comes from the copies vLLM already has: ``query_start_loc_cpu``,
+        ``seq_lens_cpu`` where this vLLM has it (0.32 does not; its ``seq_lens`` lives on the
+        CPU on this platform, on a GPU reading it is the step's one device-to-host copy), and
+        the block table, which is a CPU tensor on the CPU platform (on a GPU no host copy is
+        at hand, so the plan skips the host page-id check)."""
         m = common_attn_metadata
         n = m.num_reqs
         qsl = m.query_start_loc_cpu[: n + 1].to(torch.int64)
         new_lens = (qsl[1:] - qsl[:-1]).tolist()
-        seq_lens = m.seq_lens[:n].to("cpu", torch.int64).tolist()
+        seq_host = getattr(m, "seq_lens_cpu", None)
+        if seq_host is None:
+            seq_host = m.seq_lens
+        seq_lens = seq_host[:n].to("cpu", torch.int64).tolist()
         prefix_lens = [s - q for s, q in zip(seq_lens, new_lens, strict=True)]
         batch = mb.MLABatch.build(
             prefix_lens,
@@ -145,8 +168,17 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             self.page_size,
             batch_phase(new_lens, self.num_spec_tokens),
         )
+        plan = mb.plan(batch, self.dims, self.policy, device=self.device)
+        if plan.mode not in self._modes_seen:  # each path mode once at INFO, then DEBUG
+            self._modes_seen.add(plan.mode)
+            logger.info(
+                "%s: first %s step (phase=%s, new_lens=%s, prefix_lens=%s)",
+                BACKEND_NAME, plan.mode, batch.phase.value, new_lens[:8], prefix_lens[:8],
+            )
+        else:
+            logger.debug("%s: %s step, phase=%s", BACKEND_NAME, plan.mode, batch.phase.value)
         return MLAAbsorbMetadata(
-            batch=batch,
+            plan=plan,
             num_reqs=n,
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -155,14 +187,6 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             slot_mapping=m.slot_mapping,
             num_prefills=n,
         )
-
-
-def _kv_b_weight_scale(kv_b_proj: Any) -> torch.Tensor | None:
-    for name in ("weight_scale", "weight_scale_inv"):
-        scale = getattr(kv_b_proj, name, None)
-        if scale is not None:
-            return scale
-    return None
 
 
 class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
@@ -226,13 +250,15 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.dims = mb.MLADims(
-            num_heads=num_heads,
-            kv_lora_rank=kv_lora_rank,
-            qk_nope_head_dim=qk_nope_head_dim,
-            qk_rope_head_dim=qk_rope_head_dim,
-            v_head_dim=v_head_dim,
-            q_lora_rank=q_lora_rank,
+        self.dims = mb.dims_from(
+            dict(
+                num_heads=num_heads,
+                kv_lora_rank=kv_lora_rank,
+                qk_nope_head_dim=qk_nope_head_dim,
+                qk_rope_head_dim=qk_rope_head_dim,
+                v_head_dim=v_head_dim,
+                q_lora_rank=q_lora_rank,
+            )
         )
         if head_size != self.dims.latent_dim:
             raise ValueError(
@@ -242,17 +268,14 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         self.q_pad_num_heads = None
         self.supports_quant_query_input = False
         self.attn: mb.MLAAttention | None = None
-        self.policy = mb.Policy.from_env()
 
     # -- weights ------------------------------------------------------------------------
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """Split ``kv_b_proj.weight`` [H*(nope+v), r] into W_UK [H, nope, r] and
-        W_UV [H, r, v] in ``act_dtype`` (fp8 weights are dequantized with their scale)."""
-        weight = self.kv_b_proj.weight
-        weights = mb.split_kv_b_proj(
-            weight.data, self.dims, weight_scale=_kv_b_weight_scale(self.kv_b_proj), dtype=act_dtype
-        )
-        self.attn = mb.MLAAttention(self.dims, weights, self.scale, policy=self.policy)
+        """``W_UK`` [H, nope, r] and ``W_UV`` [H, r, v] from ``kv_b_proj`` in ``act_dtype``
+        (an fp8 weight is dequantized with the scale it carries), see
+        :func:`mla_backend.weights_from_kv_b_proj`."""
+        weights = mb.weights_from_kv_b_proj(self.kv_b_proj, self.dims, dtype=act_dtype)
+        self.attn = mb.MLAAttention(self.dims, weights, self.scale)
 
     # -- cache --------------------------------------------------------------------------
     def _cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -308,21 +331,18 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
             raise ValueError(f"attention backend {BACKEND_NAME} does not fuse output quantization")
         if self.attn is None:
             raise RuntimeError("MLA_ABSORB: process_weights_after_loading was not called")
-        batch = attn_metadata.batch
-        T = batch.num_tokens
+        plan = attn_metadata.plan
+        T = plan.num_tokens
         nope = self.dims.qk_nope_head_dim
         q = q.view(q.shape[0], self.num_heads, -1)
         o = self.attn(
             q[:T, :, :nope],
             q[:T, :, nope:],
             self._cache_view(kv_c_and_k_pe_cache),
-            batch,
+            plan,
             self._kv_scale(k_scale),
         )
-        out = output.view(output.shape[0], -1)
-        out[:T].copy_(o.reshape(T, -1))
-        if out.shape[0] > T:
-            out[T:].zero_()
+        pad_rows(o, output.shape[0], out=output)
 
     def forward_mqa(
         self,

@@ -31,6 +31,7 @@ from sglang.test.kits.attention_unittest.attention_methods import mla_attention 
 
 import mla_backend as mb
 import mla_backend.normal as mb_normal
+from mla_backend.testing.reference import reference_mla_attention
 
 H, R, ROPE, NOPE, V = 4, 40, 16, 24, 20
 MAX_CTX = 256
@@ -107,7 +108,7 @@ class Setup:
         def stored(x):
             return x.to(self.kv_dtype).to(torch.float32)
 
-        return mb.testing.reference.reference_mla_attention(
+        return reference_mla_attention(
             self.q_nope.float(), self.q_pe.float(),
             [stored(c) for c in self.c_kv], [stored(k) for k in self.k_pe],
             self.kv_b.float(), NOPE, V, self.new, self.scale,
@@ -213,7 +214,7 @@ def test_absorbed_split_convention_vs_oracle(mode, prefix, new, page_size):
     s.fb.out_cache_loc = torch.tensor(locs, dtype=torch.int64)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=s.backend)):
         s.backend.init_forward_metadata(s.fb)
-        assert s.backend.forward_metadata.batch.kv_lens == [p + n for p, n in zip(prefix, new)]
+        assert list(s.backend.forward_metadata.plan.step.kv_lens) == [p + n for p, n in zip(prefix, new)]
         o_lat = layer(
             q_lat, new_c[:, None, :], new_c[:, None, :], s.fb,
             q_rope=s.q_pe, k_rope=new_pe[:, None, :],
@@ -260,7 +261,14 @@ def test_weights_from_bound_module_match_kv_b_proj():
     attn = _attn_stub(s.kv_b)  # the model keeps its modules alive; the backend refs weakly
     s.backend.bind_layer(attn)
     got = s.backend._weights(_mqa_layer())
-    torch.testing.assert_close(got.kv_b, s.kv_b)
+    w = s.kv_b.view(H, NOPE + V, R)
+    torch.testing.assert_close(got.W_UK, w[:, :NOPE])
+    torch.testing.assert_close(got.W_UV, w[:, NOPE:].transpose(1, 2))
+    # contiguous and in the model's dtype: the model's tensors are used as they are (no copy)
+    attn.w_kc, attn.w_vc = attn.w_kc.contiguous(), attn.w_vc.contiguous()
+    shared = s.backend._weights(_mqa_layer())
+    assert shared.W_UK.data_ptr() == attn.w_kc.data_ptr()
+    assert shared.W_UV.data_ptr() == attn.w_vc.data_ptr()
 
 
 def _runner(**over):

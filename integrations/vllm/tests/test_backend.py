@@ -1,10 +1,14 @@
-"""Backend-level tests: vLLM metadata (CommonAttentionMetadata -> our builder) + MLAAbsorbImpl
-against the core's independent oracle ``mla_backend.testing.reference.reference_mla_attention``.
+"""Backend-level tests: vLLM metadata (CommonAttentionMetadata -> our builder -> the step's
+plan) + MLAAbsorbImpl against the one oracle, ``mla_backend.testing.reference`` (through
+``Case.oracle``).
 
-Each case lays requests out in a paged cache with randomly permuted physical blocks (block 0
-is vLLM's null block and never used), writes the prefix latents in an earlier "step" and the
-new tokens' latents through the impl's ``do_kv_cache_update`` (vLLM's slot mapping), then
-runs ``forward_mha`` (which serves every token of the step, see backend.py).
+Each case comes from the shared builder ``mla_backend.testing.cases.make_case`` (random
+latents, queries and ``kv_b_proj``; requests over randomly permuted physical blocks, block 0
+unused like vLLM's null block). The test lays the latents into a vLLM-shaped cache (NaN where
+nothing is written; raw bytes for fp8) through the impl itself: the prefix in an earlier
+"step", the new tokens through ``do_kv_cache_update`` with vLLM's slot mapping and a padding
+slot (-1); then ``forward_mha`` (which serves every token of the step, see backend.py) fills
+an output with one padding row, which must come back zero.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from mla_backend_integrations.vllm.backend import (
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 import mla_backend as mb
-from mla_backend.testing.reference import reference_mla_attention
+from mla_backend.testing.cases import make_case
 
 DIMS = {
-    # name: (heads, r, rope, nope, v)
-    "deepseek": (16, 512, 64, 128, 128),
-    "odd": (4, 96, 32, 48, 40),
+    # MLADims(heads, r, nope, rope, v)
+    "deepseek": mb.MLADims(16, 512, 128, 64, 128),
+    "odd": mb.MLADims(4, 96, 48, 32, 40),
 }
 
 # name: list of (prefix_len, new_len) per request
@@ -41,12 +45,26 @@ CASES = {
 }
 
 
-def _impl(dims: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str, seed: int):
-    H, r, rope, nope, v = dims
-    g = torch.Generator().manual_seed(seed)
-    kv_b = torch.nn.Linear(r, H * (nope + v), bias=False)
+def vllm_config(dims: mb.MLADims, num_spec_tokens: int = 0) -> SimpleNamespace:
+    """What the metadata builder reads of vLLM's config (model dims, speculation)."""
+    hf = SimpleNamespace(
+        num_attention_heads=dims.num_heads,
+        kv_lora_rank=dims.kv_lora_rank,
+        qk_nope_head_dim=dims.qk_nope_head_dim,
+        qk_rope_head_dim=dims.qk_rope_head_dim,
+        v_head_dim=dims.v_head_dim,
+    )
+    model = SimpleNamespace(hf_text_config=hf, get_num_attention_heads=lambda _p: dims.num_heads)
+    spec = SimpleNamespace(num_speculative_tokens=num_spec_tokens) if num_spec_tokens else None
+    return SimpleNamespace(speculative_config=spec, model_config=model, parallel_config=None)
+
+
+def _impl(dims: mb.MLADims, kv_b: torch.Tensor, dtype: torch.dtype, kv_cache_dtype: str):
+    H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    nope, v = dims.qk_nope_head_dim, dims.v_head_dim
+    kv_b_proj = torch.nn.Linear(r, H * (nope + v), bias=False)
     with torch.no_grad():
-        kv_b.weight.copy_(torch.randn(H * (nope + v), r, generator=g) * r**-0.5)
+        kv_b_proj.weight.copy_(kv_b)
     impl = MLAAbsorbImpl(
         num_heads=H,
         head_size=r + rope,
@@ -64,32 +82,10 @@ def _impl(dims: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str, seed: 
         qk_rope_head_dim=rope,
         qk_head_dim=nope + rope,
         v_head_dim=v,
-        kv_b_proj=kv_b,
+        kv_b_proj=kv_b_proj,
     )
     impl.process_weights_after_loading(dtype)
-    return impl, kv_b.weight.detach().clone()
-
-
-def _layout(reqs: list[tuple[int, int]], page: int, g: torch.Generator, shared_prefix: int):
-    """Block table [B, max_pages] over randomly permuted physical blocks (0 = null block).
-    With ``shared_prefix`` > 0, every request's first shared_prefix // page blocks are the
-    same physical blocks (a prefix-cache hit)."""
-    pages_needed = [-(-(p + n) // page) for p, n in reqs]
-    max_pages = max(pages_needed) + 1
-    n_shared = shared_prefix // page
-    total = sum(pages_needed) + 4
-    perm = (torch.randperm(total, generator=g) + 1).tolist()  # never block 0
-    table = torch.zeros(len(reqs), max_pages, dtype=torch.int32)
-    shared = perm[:n_shared]
-    nxt = n_shared
-    for i, need in enumerate(pages_needed):
-        for j in range(need):
-            if j < n_shared:
-                table[i, j] = shared[j]
-            else:
-                table[i, j] = perm[nxt]
-                nxt += 1
-    return table, total + 1
+    return impl
 
 
 def _slots(table: torch.Tensor, i: int, positions: range, page: int) -> list[int]:
@@ -108,45 +104,43 @@ def _run_case(
     kv_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dims = DIMS[dims_name]
-    H, r, rope, nope, v = dims
+    r, rope, nope = dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim
+    H, v = dims.num_heads, dims.v_head_dim
     reqs = CASES[case]
     if shared_prefix:
         reqs = [(max(p, shared_prefix), n) for p, n in reqs]
-    g = torch.Generator().manual_seed(seed)
-    impl, kv_b_w = _impl(dims, dtype, kv_cache_dtype, seed)
-    impl.attn.policy = mb.Policy(mode=policy)
-    table, num_blocks = _layout(reqs, page, g, shared_prefix)
+    prefix_lens, new_lens = [p for p, _ in reqs], [n for _, n in reqs]
+    c = make_case(dims, prefix_lens, new_lens, page, dtype=dtype, seed=seed)
+    table = c.batch.block_table.clone()
+    c_kv = [x.to(dtype).clone() for x in c.c_kv]
+    k_pe = [x.to(dtype).clone() for x in c.k_pe]
+    if shared_prefix:  # a prefix-cache hit: every request reuses request 0's prefix blocks
+        n_shared = shared_prefix // page
+        table[:, :n_shared] = table[0, :n_shared]
+        for i in range(1, len(reqs)):
+            c_kv[i][:shared_prefix] = c_kv[0][:shared_prefix]
+            k_pe[i][:shared_prefix] = k_pe[0][:shared_prefix]
+    impl = _impl(dims, c.kv_b, dtype, kv_cache_dtype)
     fp8 = kv_cache_dtype == "fp8"
-    # vLLM allocates an fp8 cache as raw bytes; the impl views it as float8_e4m3fn
-    cache = torch.zeros(num_blocks, page, r + rope, dtype=torch.uint8 if fp8 else dtype)
+    # vLLM allocates an fp8 cache as raw bytes (the impl views it as float8_e4m3fn); never
+    # written rows hold NaN (0x7f is NaN in e4m3fn)
+    shape = (c.kv_cache.shape[0], page, r + rope)
+    if fp8:
+        cache = torch.full(shape, 0x7F, dtype=torch.uint8)
+    else:
+        cache = torch.full(shape, float("nan"), dtype=dtype)
     k_scale = torch.tensor(kv_scale, dtype=torch.float32)
 
-    # whole-sequence latents per request (shared prefix tokens identical across requests)
-    shared_ckv = torch.randn(shared_prefix, r, generator=g)
-    shared_kpe = torch.randn(shared_prefix, rope, generator=g)
-    c_kv_seqs, k_pe_seqs = [], []
-    for p, n in reqs:
-        ckv = torch.randn(p + n, r, generator=g)
-        kpe = torch.randn(p + n, rope, generator=g)
-        ckv[:shared_prefix], kpe[:shared_prefix] = shared_ckv, shared_kpe
-        c_kv_seqs.append(ckv.to(dtype))
-        k_pe_seqs.append(kpe.to(dtype))
-
     # "earlier steps": prefix latents (shared blocks are written once per request: same data)
-    for i, (p, _) in enumerate(reqs):
+    for i, p in enumerate(prefix_lens):
         if p:
             slots = torch.tensor(_slots(table, i, range(p), page))
             impl.do_kv_cache_update(
-                c_kv_seqs[i][:p],
-                k_pe_seqs[i][:p].unsqueeze(1),
-                cache,
-                slots,
-                kv_cache_dtype,
-                k_scale,
+                c_kv[i][:p], k_pe[i][:p].unsqueeze(1), cache, slots, kv_cache_dtype, k_scale
             )
     # this step: new tokens, with a padding slot (-1) appended like vLLM's padded batches
-    new_ckv = torch.cat([c[p:] for c, (p, _) in zip(c_kv_seqs, reqs, strict=True)])
-    new_kpe = torch.cat([k[p:] for k, (p, _) in zip(k_pe_seqs, reqs, strict=True)])
+    new_ckv = torch.cat([x[p:] for x, p in zip(c_kv, prefix_lens, strict=True)])
+    new_kpe = torch.cat([x[p:] for x, p in zip(k_pe, prefix_lens, strict=True)])
     slot_list = []
     for i, (p, n) in enumerate(reqs):
         slot_list += _slots(table, i, range(p, p + n), page)
@@ -158,7 +152,6 @@ def _run_case(
         pad_ckv, pad_kpe.unsqueeze(1), cache, slot_mapping, kv_cache_dtype, k_scale
     )
 
-    new_lens = [n for _, n in reqs]
     qsl = torch.tensor([0] + torch.tensor(new_lens).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor([p + n for p, n in reqs], dtype=torch.int32)
     common = CommonAttentionMetadata(
@@ -172,37 +165,31 @@ def _run_case(
         block_table_tensor=table,
         slot_mapping=slot_mapping[:T],
     )
-    spec = SimpleNamespace(block_size=page)
     builder = MLAAbsorbMetadataBuilder(
-        spec, ["layer.0"], SimpleNamespace(speculative_config=None), torch.device("cpu")
+        SimpleNamespace(block_size=page), ["layer.0"], vllm_config(dims), torch.device("cpu")
     )
+    builder.policy = mb.Policy(mode=policy)
     md = builder.build(0, common)
     assert md.num_decode_tokens == 0 and md.num_actual_tokens == T
+    assert md.plan.num_tokens == T and md.plan.dims == dims
 
-    q = torch.randn(T, H, nope + rope, generator=g).to(dtype)
-    out = torch.full((T, H * v), float("nan"), dtype=dtype)
+    # one padding row past the step's tokens (vLLM pads token tensors)
+    q = torch.cat([c.q_nope, c.q_pe], -1).to(dtype)
+    q = torch.cat([q, torch.full((1, H, nope + rope), 7.0, dtype=dtype)])
+    out = torch.full((T + 1, H * v), float("nan"), dtype=dtype)
     impl.forward_mha(q, new_ckv, new_kpe, cache, md, k_scale, out)
+    assert torch.equal(out[T:], torch.zeros_like(out[T:])), "padding rows must be zero"
 
-    # oracle on what the cache is supposed to hold
+    # the oracle on what the cache is supposed to hold
     if fp8:
 
         def roundtrip(x: torch.Tensor) -> torch.Tensor:
             return (x.float() / kv_scale).to(torch.float8_e4m3fn).float() * kv_scale
 
-        c_kv_seqs = [roundtrip(c) for c in c_kv_seqs]
-        k_pe_seqs = [roundtrip(k) for k in k_pe_seqs]
-    ref = reference_mla_attention(
-        q[:, :, :nope],
-        q[:, :, nope:],
-        c_kv_seqs,
-        k_pe_seqs,
-        kv_b_w,
-        nope,
-        v,
-        new_lens,
-        (nope + rope) ** -0.5,
-    )
-    return out.float().view(T, H, v), ref
+        c_kv = [roundtrip(x) for x in c_kv]
+        k_pe = [roundtrip(x) for x in k_pe]
+    c.c_kv, c.k_pe = c_kv, k_pe
+    return out[:T].float().view(T, H, v), c.oracle((nope + rope) ** -0.5)
 
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
