@@ -216,14 +216,7 @@ CACHES = [torch.bfloat16, mb.FP8_DTYPE]
 # The torch path's cache write indexes with 0-d tensors (a host read of each, i.e. a
 # device-to-host sync on a GPU): mla_backend/ops/torch_ops.py, Kernels.write_latent,
 # ``smax = slots[top]`` and ``row[top]`` / ``flat[smax]`` in the ``fill`` line.
-_TORCH_WRITE_READS_HOST = pytest.mark.xfail(
-    strict=True,
-    reason="torch_ops.Kernels.write_latent: slots[top], row[top], flat[smax] index with 0-d "
-    "tensors (aten._local_scalar_dense); use index_select/gather with top.view(1)",
-)
-TORCH_CALLS = [
-    pytest.param(c, marks=_TORCH_WRITE_READS_HOST) if c == "write_latent" else c for c in CALLS
-]
+TORCH_CALLS = CALLS
 
 
 @pytest.mark.parametrize("call", TORCH_CALLS)

@@ -108,12 +108,14 @@ class Kernels:
             flat = flat.view(torch.uint8)
         else:
             row = row.to(kv_cache.dtype)
+        n_rows = flat.shape[0]
         valid = slots >= 0
-        top = slots.argmax()
-        smax = slots[top]
-        target = torch.where(valid, slots, smax)  # smax < 0 only if all are padding: row -1
-        fill = torch.where(smax >= 0, row[top], flat[smax])
-        src = torch.where(valid[:, None], row, fill[None, :])
+        top = slots.argmax().view(1)
+        smax = slots.index_select(0, top)  # [1]; < 0 only if every slot is padding
+        target = torch.where(valid, slots, smax) % n_rows  # all padding: the last row
+        keep = flat.index_select(0, smax % n_rows)  # that row's current content
+        fill = torch.where((smax >= 0)[:, None], row.index_select(0, top), keep)
+        src = torch.where(valid[:, None], row, fill)
         flat.index_put_((target,), src)
 
     def _rows(
