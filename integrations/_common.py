@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -37,3 +40,50 @@ def pad_rows(o: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> tor
     if rows > T:
         flat[T:].zero_()
     return out
+
+
+def parse_version(version: str) -> tuple[int, ...]:
+    """Leading integer fields of a version string (``0.32.0+cpu`` -> (0, 32, 0)); () if none."""
+    out: list[int] = []
+    for part in version.split("+")[0].split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
+            break
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One engine workaround: the engine versions it applies to and the upstream behaviour it
+    works around (one sentence). :meth:`applies` guards it: outside ``[lo, hi)`` it is skipped
+    and that is logged once (WARNING) on ``logger_name``."""
+
+    name: str
+    versions: tuple[tuple[int, ...], tuple[int, ...]]
+    upstream: str
+    version_of: Callable[[], str]
+    logger_name: str
+
+    def applies(self, version: str | None = None) -> bool:
+        version = self.version_of() if version is None else version
+        lo, hi = self.versions
+        v = parse_version(version)
+        if v and lo <= v < hi:
+            return True
+        if self.name not in _SKIPPED:
+            _SKIPPED.add(self.name)
+            logging.getLogger(self.logger_name).warning(
+                "workaround %r (for versions >= %s, < %s) is skipped on version %s; upstream: %s",
+                self.name, ".".join(map(str, lo)), ".".join(map(str, hi)), version, self.upstream,
+            )  # fmt: skip
+        return False
+
+
+_SKIPPED: set[str] = set()

@@ -137,3 +137,152 @@ def test_fp8_block_scale_with_partial_blocks() -> None:
         q, d, weight_scale=torch.ones(10, 1), dtype=torch.float32, weight_block_size=(30, 64)
     )
     torch.testing.assert_close(s2.W_UK, q.float().view(3, 100, 64)[:, :50])
+
+
+# -- dims and weights from an engine (dims_from, weights_from_kv_b_proj, weights_from_w_kc_w_vc)
+
+
+def test_dims_from_hf_config_engine_layer_and_dict() -> None:
+    from types import SimpleNamespace
+
+    fields = dict(kv_lora_rank=96, qk_nope_head_dim=48, qk_rope_head_dim=32, v_head_dim=40)
+    hf = SimpleNamespace(num_attention_heads=8, q_lora_rank=64, hidden_size=128, **fields)
+    assert mb.dims_from(hf) == mb.MLADims(8, 96, 48, 32, 40, q_lora_rank=64, hidden_size=128)
+    assert mb.dims_from(hf, num_heads=2).num_heads == 2  # tensor parallel rank
+    # SGLang's DeepseekV2AttentionMLA: num_local_heads (per rank) wins over num_attention_heads
+    sgl = SimpleNamespace(num_local_heads=4, num_attention_heads=8, **fields)
+    assert mb.dims_from(sgl).num_heads == 4
+    # vLLM's MLA layer / impl: num_heads
+    assert mb.dims_from(dict(num_heads=3, **fields)).num_heads == 3
+    with pytest.raises(ValueError, match="missing v_head_dim"):
+        mb.dims_from({"num_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+                      "qk_rope_head_dim": 2})  # fmt: skip
+    with pytest.raises(ValueError, match="num_local_heads/num_heads/num_attention_heads"):
+        mb.dims_from(fields)
+    with pytest.raises(ValueError, match="qk_rope_head_dim=7"):
+        mb.dims_from({**fields, "qk_rope_head_dim": 7, "num_heads": 2})
+
+
+def _fp8_kv_b(d: mb.MLADims, scale_kind: str, seed: int = 0):
+    """An fp8 kv_b_proj weight, its scale and its dequantized fp32 value."""
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank
+    w = torch.randn(rows, cols, generator=g)
+    if scale_kind == "tensor":
+        scale = w.abs().max() / 448
+        full = scale.expand(rows, cols)
+    elif scale_kind == "row":
+        scale = w.abs().amax(1, keepdim=True) / 448
+        full = scale.expand(rows, cols)
+    else:  # blocks of 64 x 32
+        br, bc = 64, 32
+        nb_r, nb_c = -(-rows // br), -(-cols // bc)
+        scale = torch.rand(nb_r, nb_c, generator=g) / 100 + 1e-3
+        full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    q = (w / full).clamp(-448, 448).to(mb.FP8_DTYPE)
+    return q, scale, q.float() * full
+
+
+def _module(weight, **attrs):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(weight=weight, **attrs)
+
+
+def _split(full: torch.Tensor, d: mb.MLADims) -> tuple[torch.Tensor, torch.Tensor]:
+    w = full.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+    return w[:, : d.qk_nope_head_dim], w[:, d.qk_nope_head_dim :].transpose(1, 2)
+
+
+@pytest.mark.parametrize("scale_kind", ["tensor", "row", "block"])
+@pytest.mark.parametrize("attr", ["weight_scale_inv", "weight_scale"])
+def test_weights_from_kv_b_proj_fp8_scales(scale_kind: str, attr: str) -> None:
+    d = mb.MLADims(2, 96, 48, 0, 40)
+    q, scale, deq = _fp8_kv_b(d, scale_kind)
+    extra = {"weight_block_size": [64, 32]} if scale_kind == "block" else {}
+    w = mb.weights_from_kv_b_proj(_module(q, **{attr: scale}, **extra), d, dtype=torch.float32)
+    uk, uv = _split(deq, d)
+    torch.testing.assert_close(w.W_UK, uk)
+    torch.testing.assert_close(w.W_UV, uv)
+
+
+def test_weights_from_kv_b_proj_scale_lookup_order_and_block_size_from_quant_config() -> None:
+    """weight_scale_inv is looked up before weight_scale; the block size may live on the
+    module's quant_method.quant_config (SGLang) instead of the module (vLLM)."""
+    from types import SimpleNamespace
+
+    d = mb.MLADims(2, 96, 48, 0, 40)
+    q, scale, deq = _fp8_kv_b(d, "block")
+    qm = SimpleNamespace(quant_config=SimpleNamespace(weight_block_size=(64, 32)))
+    mod = _module(q, weight_scale_inv=scale, weight_scale=scale * 1000, quant_method=qm)
+    w = mb.weights_from_kv_b_proj(mod, d, dtype=torch.float32)
+    torch.testing.assert_close(w.W_UK, _split(deq, d)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_weights_from_kv_b_proj_dtype(dtype: torch.dtype) -> None:
+    d = mb.MLADims(2, 96, 48, 32, 40)
+    q, scale, deq = _fp8_kv_b(d, "tensor")
+    w = mb.weights_from_kv_b_proj(_module(q, weight_scale=scale), d, dtype=dtype)
+    assert w.W_UK.dtype == w.W_UV.dtype == dtype  # the model's dtype, not a fixed bf16
+    torch.testing.assert_close(w.W_UK, _split(deq, d)[0].to(dtype))
+    # a float weight keeps its dtype by default; a Linear module and a bare tensor agree
+    lin = torch.nn.Linear(96, 2 * 88, bias=False).to(dtype)
+    a = mb.weights_from_kv_b_proj(lin, d)
+    b = mb.weights_from_kv_b_proj(lin.weight, d)
+    assert a.W_UK.dtype == dtype and torch.equal(a.W_UK, b.W_UK)
+    # a weight stored transposed ([r, H*(nope+v)], column-major fp8 GEMM layout) is accepted
+    t = mb.weights_from_kv_b_proj(_module(q.t(), weight_scale=scale), d, dtype=dtype)
+    torch.testing.assert_close(t.W_UV, _split(deq, d)[1].to(dtype))
+
+
+def test_weights_from_kv_b_proj_bad_inputs_name_the_value() -> None:
+    d = mb.MLADims(2, 96, 48, 0, 40)
+    q, scale, _ = _fp8_kv_b(d, "block")
+    with pytest.raises(ValueError, match="pass dtype="):
+        mb.weights_from_kv_b_proj(_module(q, weight_scale=scale), d)
+    with pytest.raises(ValueError, match="no weight_scale"):
+        mb.weights_from_kv_b_proj(_module(q), d, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scale of shape \(3, 3\)"):  # default 128 x 128 blocks
+        mb.weights_from_kv_b_proj(_module(q, weight_scale_inv=scale), d, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight_block_size=\[0, 32\]"):
+        mb.weights_from_kv_b_proj(
+            _module(q, weight_scale_inv=scale, weight_block_size=[0, 32]), d, dtype=torch.float32
+        )
+    with pytest.raises(ValueError, match=r"\[176, 96\]"):
+        mb.weights_from_kv_b_proj(torch.zeros(170, 96), d)
+    with pytest.raises(ValueError, match="no weight tensor"):
+        mb.weights_from_kv_b_proj(_module(None), d)
+    with pytest.raises(ValueError, match="compute dtype torch.int8"):
+        mb.weights_from_kv_b_proj(torch.zeros(176, 96), d, dtype=torch.int8)
+
+
+def test_weights_from_w_kc_w_vc() -> None:
+    d = mb.MLADims(3, 40, 12, 6, 20)
+    g = torch.Generator().manual_seed(0)
+    w_kc = torch.randn(3, 12, 40, generator=g)
+    w_vc = torch.randn(3, 40, 20, generator=g)
+    w = mb.weights_from_w_kc_w_vc(w_kc, w_vc, d, w_scale=1.0)  # SGLang's default scale
+    assert w.W_UK.data_ptr() == w_kc.data_ptr() and w.W_UV.data_ptr() == w_vc.data_ptr()
+    b = mb.weights_from_w_kc_w_vc(w_kc, w_vc, d, dtype=torch.bfloat16)
+    assert b.W_UK.dtype == torch.bfloat16
+    # fp8: per-tensor and per-head scales, dequantized to the model's dtype
+    for s in (torch.tensor(0.01), torch.tensor([0.01, 0.02, 0.04])):
+        sk = s.reshape(-1, 1, 1) if s.numel() > 1 else s
+        qk, qv = (w_kc / sk).to(mb.FP8_DTYPE), (w_vc / sk).to(mb.FP8_DTYPE)
+        f = mb.weights_from_w_kc_w_vc(qk, qv, d, w_scale=s, dtype=torch.float16)
+        assert f.W_UK.dtype == torch.float16
+        torch.testing.assert_close(f.W_UK, (qk.float() * sk).half())
+        torch.testing.assert_close(f.W_UV, (qv.float() * sk).half())
+    with pytest.raises(ValueError, match=r"w_kc shape \(3, 12, 41\)"):
+        mb.weights_from_w_kc_w_vc(torch.zeros(3, 12, 41), w_vc, d)
+    with pytest.raises(ValueError, match="no w_scale"):
+        mb.weights_from_w_kc_w_vc(qk, qv, d, dtype=torch.float32)
+    with pytest.raises(ValueError, match="pass dtype="):
+        mb.weights_from_w_kc_w_vc(qk, qv, d, w_scale=0.1)
+    with pytest.raises(ValueError, match=r"w_scale of shape \(2,\)"):
+        mb.weights_from_w_kc_w_vc(qk, qv, d, w_scale=torch.ones(2), dtype=torch.float32)
+    with pytest.raises(ValueError, match="w_scale=0.5"):
+        mb.weights_from_w_kc_w_vc(w_kc, w_vc, d, w_scale=0.5)
+    with pytest.raises(ValueError, match="int32"):
+        mb.weights_from_w_kc_w_vc(w_kc.int(), w_vc.int(), d)

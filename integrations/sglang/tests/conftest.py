@@ -1,25 +1,20 @@
 """Test set-up for the SGLang integration.
 
 * Puts the import-only stand-ins (``stubs/``: torchvision, sgl_kernel) on ``sys.path`` and
-  on ``PYTHONPATH`` (for server subprocesses): SGLang 0.5.23 imports both at module level and
-  neither has a CPU build that loads against torch 2.13.0+cpu. Test tooling only.
+  on ``PYTHONPATH`` (for server subprocesses) through ``compat.add_import_stubs`` (the
+  workaround, its SGLang versions and why). The stand-ins are test tooling only.
 * Loads SGLang's plugins (our entry point) once, as every SGLang process does.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
+from mla_backend_integrations.sglang.compat import add_import_stubs
 
 STUBS = str(Path(__file__).resolve().parent / "stubs")
-if STUBS not in sys.path:
-    sys.path.insert(0, STUBS)
-_pp = os.environ.get("PYTHONPATH", "")
-if STUBS not in _pp.split(os.pathsep):
-    os.environ["PYTHONPATH"] = STUBS + (os.pathsep + _pp if _pp else "")
+add_import_stubs(STUBS)
 
 
 @pytest.fixture(scope="session", autouse=True)

