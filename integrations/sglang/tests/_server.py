@@ -201,3 +201,35 @@ def random_prompt(seed: int, n: int) -> list[int]:
     """n token ids (10..9999, inside the tiny models' vocab) from a seeded generator."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, 10000, (n,), generator=g).tolist()
+
+
+def module_fixtures(
+    name: str,
+    model_kwargs: dict[str, Any],
+    extra_args: list[str],
+    env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
+) -> tuple[Any, Any, Any]:
+    """The module-scoped ``model``, ``server`` and ``oracle`` fixtures of one e2e module (one
+    tiny checkpoint, one server on it, transformers on the same weights)::
+
+        model, server, oracle = _server.module_fixtures("tiny_odd", dims, ["--attention-..."])
+    """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def model(tmp_path_factory: Any) -> Path:
+        return make_model(tmp_path_factory.mktemp(name) / "model", **model_kwargs)
+
+    @pytest.fixture(scope="module")
+    def server(model: Path, tmp_path_factory: Any) -> Any:
+        log = tmp_path_factory.mktemp(f"server_{name}") / "server.log"
+        srv = start_server(model, log, extra_args, env=env, launcher=launcher)
+        yield srv
+        srv.stop()
+
+    @pytest.fixture(scope="module")
+    def oracle(model: Path) -> Oracle:
+        return Oracle(model)
+
+    return model, server, oracle

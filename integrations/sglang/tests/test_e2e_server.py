@@ -25,31 +25,15 @@ LOGPROB_ATOL = 1e-3
 N_NEW = 12
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return _server.make_model(
-        tmp_path_factory.mktemp("tiny_odd") / "model",
+model, server, oracle = _server.module_fixtures(
+    "tiny_odd",
+    dict(
         num_heads=4, hidden_size=128, num_layers=2, kv_lora_rank=96, qk_rope_head_dim=32,
         qk_nope_head_dim=48, v_head_dim=40, q_lora_rank=64, moe=False, seed=1,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = _server.start_server(
-        model,
-        log,
-        ["--attention-backend", "mla_absorb"],
-        env={"MLA_BACKEND_POLICY": "sglang", "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD": "48"},
-    )
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oracle(model):
-    return _server.Oracle(model)
+    ),
+    ["--attention-backend", "mla_absorb"],
+    env={"MLA_BACKEND_POLICY": "sglang", "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD": "48"},
+)  # fmt: skip
 
 
 def _check(server, oracle, ids, n=N_NEW):

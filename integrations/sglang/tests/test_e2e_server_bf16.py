@@ -15,39 +15,21 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from . import _server
 
 BF16_LOGPROB_ATOL = 0.15
 N_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return _server.make_model(
-        tmp_path_factory.mktemp("tiny_bf16") / "model",
+model, server, oracle = _server.module_fixtures(
+    "tiny_bf16",
+    dict(
         num_heads=4, hidden_size=128, num_layers=2, kv_lora_rank=96, qk_rope_head_dim=32,
         qk_nope_head_dim=48, v_head_dim=40, q_lora_rank=64, moe=False, seed=0,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server_bf16") / "server.log"
-    srv = _server.start_server(
-        model,
-        log,
-        ["--attention-backend", "mla_absorb", "--dtype", "bfloat16", "--page-size", "32"],
-        env={"MLA_BACKEND_POLICY": "cost"},
-    )
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oracle(model):
-    return _server.Oracle(model)
+    ),
+    ["--attention-backend", "mla_absorb", "--dtype", "bfloat16", "--page-size", "32"],
+    env={"MLA_BACKEND_POLICY": "cost"},
+)  # fmt: skip
 
 
 def test_bf16_page32_backend_resolved(server):

@@ -15,41 +15,22 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 from . import _server
 
 LOGPROB_ATOL = 1e-3
 N_NEW = 10
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return _server.make_model(
-        tmp_path_factory.mktemp("tiny_moe") / "model",
+model, server, oracle = _server.module_fixtures(
+    "tiny_moe",
+    dict(
         num_heads=8, hidden_size=192, num_layers=3, kv_lora_rank=256, qk_rope_head_dim=64,
         qk_nope_head_dim=64, v_head_dim=64, q_lora_rank=None, moe=True, seed=2,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server_moe") / "server.log"
-    sglang_cli = Path(sys.executable).parent / "sglang"
-    srv = _server.start_server(
-        model,
-        log,
-        ["--attention-backend", "mla_absorb", "--page-size", "16"],
-        env={"MLA_BACKEND_SGLANG_QK": "concat", "MLA_BACKEND_POLICY": "cost"},
-        launcher=[str(sglang_cli), "serve"],
-    )
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oracle(model):
-    return _server.Oracle(model)
+    ),
+    ["--attention-backend", "mla_absorb", "--page-size", "16"],
+    env={"MLA_BACKEND_SGLANG_QK": "concat", "MLA_BACKEND_POLICY": "cost"},
+    launcher=[str(Path(sys.executable).parent / "sglang"), "serve"],
+)  # fmt: skip
 
 
 def _match(resp, ref):
