@@ -122,8 +122,12 @@ def start_server(
     extra_args: list[str],
     env: dict[str, str] | None = None,
     launcher: list[str] | None = None,
+    skip_tokenizer_init: bool = True,
 ) -> Server:
-    """``SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu`` on 127.0.0.1."""
+    """``SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu`` on 127.0.0.1.
+
+    ``skip_tokenizer_init=False`` loads the model folder's tokenizer (the OpenAI endpoints
+    need it; /generate with ``input_ids`` works either way)."""
     port = free_port()
     cmd = [
         *(launcher or [sys.executable, "-m", "sglang.launch_server"]),
@@ -134,7 +138,7 @@ def start_server(
         "--dtype", "float32",
         "--max-total-tokens", "4096",
         "--disable-cuda-graph",
-        "--skip-tokenizer-init",
+        *(["--skip-tokenizer-init"] if skip_tokenizer_init else []),
         *extra_args,
     ]  # fmt: skip
     full_env = dict(os.environ)
