@@ -13,8 +13,12 @@ comparable with its README (H800: ~3000 GB/s memory-bound, 580-660 TFLOP/s compu
             counts its 576 kv elements at 1 byte, q and o stay bf16)
     TFLOP/s = FLOPs / 1e9 / ms;  GB/s = bytes / 1e6 / ms
 
+Each shape is planned once (``mb.plan`` with ``triton_ops.Kernels()``) and timed through the
+per-layer call ``mb.absorbed_attention``; ``graph_ms`` times the same call replayed from a
+CUDA graph (after checking a replay reproduces the eager output bit for bit).
+
 Usage: python benchmarks/triton_gpu_bench.py [--cache fp8] [--quick] [--no-check]
-           [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
+           [--no-graph] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
        TRITON_INTERPRET=1 python benchmarks/triton_gpu_bench.py --smoke   (CPU: plumbing only)
 """
 
@@ -62,8 +66,8 @@ def _case(
         kv_lens = [max(int(random.normalvariate(mean_kv, mean_kv / 2)), q_len) for _ in kv_lens]
     pages = [-(-L // PAGE) for L in kv_lens]
     max_pages = max(pages)
-    perm = torch.randperm(sum(pages), device=dev).to(torch.int32)
-    table = torch.zeros(batch, max_pages, dtype=torch.int32, device=dev)
+    perm = torch.randperm(sum(pages)).to(torch.int32)
+    table = torch.zeros(batch, max_pages, dtype=torch.int32)  # host copy, as engines have
     k = 0
     for i, n in enumerate(pages):
         table[i, :n] = perm[k : k + n]
@@ -74,7 +78,12 @@ def _case(
         kv_scale = torch.tensor(0.05, device=dev)
         cache = (cache.float() / kv_scale).clamp(-448, 448).to(cache_dtype)
     batch_desc = mb.MLABatch.build(
-        [L - q_len for L in kv_lens], [q_len] * batch, table, PAGE, mb.Phase.MIXED
+        [L - q_len for L in kv_lens],
+        [q_len] * batch,
+        table.to(dev),
+        PAGE,
+        mb.Phase.DECODE if q_len == 1 else mb.Phase.TARGET_VERIFY,
+        block_table_host=table,
     )
     T = batch * q_len
     q_lat = torch.randn(T, heads, R, device=dev, dtype=torch.bfloat16)
@@ -92,14 +101,17 @@ def sweep(
     timer: Callable[[Callable[[], object]], float],
     check: bool = True,
     peaks: tuple[float, float] | None = None,
+    graph_timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> float:
     """Time every shape and print one row each; returns the worst max|o_triton - o_torch|.
 
     ``timer(fn)`` returns milliseconds per call; ``peaks`` = (TFLOP/s, GB/s) of the device to
-    print the fraction of the roofline bound max(bytes / bandwidth, FLOPs / peak).
+    print the fraction of the roofline bound max(bytes / bandwidth, FLOPs / peak);
+    ``graph_timer(fn)`` (optional) times the same call captured in a CUDA graph (the plan's
+    tensors stay at fixed addresses; the per-layer call reads nothing back on the host).
     """
-    from mla_backend.ops import torch_ops, triton_ops
-    from mla_backend.ops.triton_kernels import heuristics as hx
+    import mla_backend as mb
+    from mla_backend.ops import triton_ops
 
     kv_bytes = 1 if cache_dtype == torch.float8_e4m3fn else 2
     scale = 1.0 / (192**0.5)
@@ -107,29 +119,33 @@ def sweep(
     print(
         "batch mean_kv heads q_len varlen splits      ms  TFLOP/s    GB/s  max|o-torch|"
         + ("  %roofline" if peaks else "")
+        + ("  graph_ms" if graph_timer else "")
     )
+    absorb = mb.Policy("absorb")
     for mean_kv in means:
         for heads in head_list:
+            dims = mb.MLADims(heads, R, 128, ROPE, DV)
             for q_len in q_lens:
                 for varlen in (False, True):
                     q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
                         dev, batch, mean_kv, heads, q_len, varlen, cache_dtype
                     )
-                    block_q, block_h = hx.attention_tiles(heads, q_len)
-                    n_blocks = batch * -(-q_len // block_q) * -(-heads // block_h)
-                    splits = hx.choose_num_splits(n_blocks, b.max_kv_len, hx.sm_count(dev))
+                    plan = mb.plan(b, dims, absorb, device=dev, impl=triton_ops.Kernels())
+                    splits = plan.step.work.num_kv_splits
 
-                    def run(q_lat=q_lat, q_pe=q_pe, cache=cache, b=b, kv_scale=kv_scale):
-                        return triton_ops.absorbed_attention(q_lat, q_pe, cache, b, scale, kv_scale)
+                    def run(q_lat=q_lat, q_pe=q_pe, cache=cache, plan=plan, kv_scale=kv_scale):
+                        return mb.absorbed_attention(q_lat, q_pe, cache, plan, scale, kv_scale)
 
                     err = float("nan")
                     if check:
                         o, _ = run()
-                        o_ref, _ = torch_ops.absorbed_attention(
-                            q_lat, q_pe, cache, b, scale, kv_scale
+                        torch_plan = mb.plan(b, dims, absorb, device=dev, impl="torch")
+                        o_ref, _ = mb.absorbed_attention(
+                            q_lat, q_pe, cache, torch_plan, scale, kv_scale
                         )
                         err = float((o.float() - o_ref.float()).abs().max())
                         worst = max(worst, err)
+                        del o, o_ref
                     ms = timer(run)
                     tflops, gbs = _flashmla_throughput(
                         ms, batch, q_len, heads, sum(kv_lens), kv_bytes
@@ -138,6 +154,8 @@ def sweep(
                     if peaks:
                         bound_ms = max(gbs * ms / peaks[1], tflops * ms / peaks[0])
                         extra = f"  {100 * bound_ms / ms:9.1f}"
+                    if graph_timer:
+                        extra += f"  {graph_timer(run):8.3f}"
                     print(
                         f"{batch:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
                         f"{splits:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
@@ -162,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--peak-gbs", type=float, default=None, help="device memory bandwidth in GB/s (3350)"
+    )
+    p.add_argument(
+        "--no-graph", action="store_true", help="skip the CUDA-graph replay timing (graph_ms)"
     )
     p.add_argument(
         "--smoke",
@@ -195,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(0)
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
-    print(f"device: {name}, SMs/CUs: {hx.sm_count(dev)}, cache {args.cache}, page {PAGE}")
+    print(
+        f"device: {name}, SMs/CUs: {hx.sm_count(dev)}, cache {args.cache}, page {PAGE}; "
+        f"torch {torch.__version__}, triton {triton.__version__}"
+    )
     means = [4096] if args.quick else [4096, 8192]
     head_list = [16, 128] if args.quick else [16, 32, 64, 128]
     sweep(
@@ -208,8 +232,32 @@ def main(argv: list[str] | None = None) -> int:
         timer=triton.testing.do_bench,
         check=not args.no_check,
         peaks=peaks,
+        graph_timer=None if args.no_graph else _graph_timer,
     )
     return 0
+
+
+def _graph_timer(fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Capture one call in a CUDA graph, check a replay reproduces the eager output bit for
+    bit, then time replays (``triton.testing.do_bench_cudagraph``); NaN if capture fails."""
+    import triton
+
+    try:
+        eager = fn()[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()[0]
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(out, eager):
+            print("  (graph replay output differs from the eager call)")
+            return float("nan")
+        del graph, out
+        return triton.testing.do_bench_cudagraph(fn)
+    except Exception as exc:  # report, keep sweeping
+        print(f"  (CUDA-graph capture failed: {type(exc).__name__}: {exc})")
+        return float("nan")
 
 
 def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:

@@ -1,32 +1,47 @@
 """Triton implementation of the paged-latent-cache kernels (the GPU path: CUDA and ROCm).
 
-Same functions and signatures as :mod:`mla_backend.ops.torch_ops` (the device seam in
-:mod:`mla_backend.ops` picks one module per device), plus keyword-only tuning knobs that
-tests use to force a split count or tile size:
+:class:`Kernels` is this module's :class:`mla_backend.ops.KernelImpl` (the device seam picks
+it for CUDA tensors); its keyword arguments are the tuning knobs tests use to force a split
+count, tile size or fp8 conversion. The two kernels are ``torch.library`` custom ops built with
+``torch.library.triton_op`` (each launch goes through ``torch.library.wrap_triton``), so
+``torch.compile`` and ``FakeTensorMode`` trace them like built-in operators:
 
-- :func:`write_latent`: one program per new token scatters ``[c_kv ; k_pe]`` into its slot.
-- :func:`absorbed_attention`: grouped-head paged attention over the latent cache (decode and
-  extend onto a prefix, ragged batches), split-KV partials merged by LSE in a second kernel.
+- ``mla_backend::triton_write_latent`` (:func:`write_latent`): one program per new token
+  scatters ``[c_kv ; k_pe]`` into its slot (mutates the cache).
+- ``mla_backend::triton_absorbed_attention`` (:func:`absorbed_attention`): grouped-head paged
+  attention over the latent cache (decode and extend onto a prefix, ragged batches), split-KV
+  partials merged by LSE in a second kernel.
 
-The fp8 absorption bmm is :func:`mla_backend.fp8.fp8_bmm` on every device (``torch._scaled_mm``
-where the device supports it).
+The Python wrappers check shapes and dtypes and turn the plan part into the ops' tensor
+arguments; nothing in a call reads tensor data on the host (no ``.item()``, no ``.tolist()``),
+so a call can run under ``FakeTensorMode`` and be captured in a CUDA graph.
+
+Precision (issue 12): the scores are fp32 from the dot products (``tl.dot`` accumulates in
+fp32) through the online softmax; the probabilities are rounded to the query's dtype before
+``P @ V``, which accumulates in fp32; split partials and the LSE merge are fp32; the output is
+rounded once.
 
 The kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how this project
-verifies them (no GPU here). The interpreter cannot ``tl.dot`` bfloat16 operands (it multiplies
+tests them without a GPU. The interpreter cannot ``tl.dot`` bfloat16 operands (it multiplies
 their raw bit patterns, triton-lang/triton#11584), so when interpreting, bf16 dot operands are
 widened to fp32 first; the products are identical (bf16 -> fp32 is exact) and the
-probabilities are still rounded to bf16 before ``P @ V`` as on a GPU.
+probabilities are still rounded to bf16 before ``P @ V`` as on a GPU. Under the interpreter a
+``FakeTensorMode`` call allocates the outputs and launches nothing (the interpreter runs
+kernels on real data; on a GPU ``wrap_triton`` records the launch instead), and
+``torch.compile`` of the ops needs a GPU.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.library import triton_op, wrap_triton
 
 from .. import fp8 as _fp8
 from ..ops.torch_ops import Kernels as TorchKernels
@@ -61,8 +76,71 @@ def _check_runnable(device: torch.device, kernel: object) -> None:
         )
 
 
+def _skip_launch(x: torch.Tensor) -> bool:
+    """True when ``x`` is a FakeTensor and the kernels are interpreted: the op's fake
+    implementation (this same code under ``FakeTensorMode``) then only allocates outputs.
+    On a GPU the launch goes through ``wrap_triton``, which records it instead of running it.
+    Tracing for ``torch.compile`` (functional tensors) cannot use the interpreter."""
+    if not hx.interpreting():
+        return False
+    if isinstance(x, FakeTensor):
+        return True
+    if torch._subclasses.fake_tensor.is_fake(x):
+        raise RuntimeError(
+            "torch.compile of the Triton MLA ops needs a GPU: the Triton interpreter "
+            "(TRITON_INTERPRET=1) runs kernels on real data and cannot be traced"
+        )
+    return False
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+# ----------------------------------------------------------------------------------------
+# Cache write
+# ----------------------------------------------------------------------------------------
+
+
+def _write_latent_op(
+    kv_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scale: Optional[torch.Tensor],  # noqa: UP045 (torch's schema inference reads it)
+    fp8_bits: bool,
+) -> None:
+    """``mla_backend::triton_write_latent``: arguments already checked by :func:`write_latent`
+    (c_kv / k_pe last-dim contiguous, ``slots`` [T] contiguous, T >= 1)."""
+    T, r = c_kv.shape
+    rope = k_pe.shape[-1]
+    if _skip_launch(kv_cache):
+        return
+    _check_runnable(kv_cache.device, write_latent_kernel)
+    is_fp8 = kv_cache.dtype == _fp8.FP8_DTYPE
+    has_scale = is_fp8 and kv_scale is not None
+    scale = kv_scale if has_scale else c_kv
+    wrap_triton(write_latent_kernel)[(T,)](
+        kv_cache.view(torch.uint8) if fp8_bits else kv_cache,
+        c_kv,
+        k_pe,
+        slots,
+        scale,
+        r,
+        rope,
+        kv_cache.shape[1],
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        c_kv.stride(0),
+        k_pe.stride(0) if rope else 0,
+        BLOCK_R=hx.dim_block(r),
+        BLOCK_ROPE=hx.dim_block(rope),
+        HAS_ROPE=rope > 0,
+        HAS_SCALE=has_scale,
+        SATURATE=is_fp8,
+        FP8_BITS=fp8_bits,
+        FP8_MAX=_fp8.FP8_MAX,
+    )
 
 
 def write_latent(
@@ -74,7 +152,8 @@ def write_latent(
     *,
     fp8_mode: str | None = None,
 ) -> None:
-    """Write new tokens' latents into the paged cache (in place).
+    """Write new tokens' latents into the paged cache (in place), through the custom op
+    ``mla_backend::triton_write_latent``.
 
     Args:
         kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn.
@@ -98,35 +177,16 @@ def write_latent(
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
     _check_runnable(kv_cache.device, write_latent_kernel)
-    c_kv = _last_dim_contiguous(c_kv)
-    k_pe = _last_dim_contiguous(k_pe)
-    slots = slot_mapping[:T]
-    if not slots.is_contiguous():
-        slots = slots.contiguous()
     is_fp8 = kv_cache.dtype == _fp8.FP8_DTYPE
-    has_scale = is_fp8 and kv_scale is not None
-    scale = kv_scale.float().reshape(()) if has_scale else c_kv
     fp8_bits = is_fp8 and _resolve_fp8_mode(fp8_mode, kv_cache.device) == "bits"
-    write_latent_kernel[(T,)](
-        kv_cache.view(torch.uint8) if fp8_bits else kv_cache,
-        c_kv,
-        k_pe,
-        slots,
+    scale = kv_scale.float().reshape(()) if is_fp8 and kv_scale is not None else None
+    torch.ops.mla_backend.triton_write_latent(
+        kv_cache,
+        _last_dim_contiguous(c_kv),
+        _last_dim_contiguous(k_pe),
+        slot_mapping[:T].contiguous(),
         scale,
-        r,
-        rope,
-        kv_cache.shape[1],
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        c_kv.stride(0),
-        k_pe.stride(0) if rope else 0,
-        BLOCK_R=hx.dim_block(r),
-        BLOCK_ROPE=hx.dim_block(rope),
-        HAS_ROPE=rope > 0,
-        HAS_SCALE=has_scale,
-        SATURATE=is_fp8,
-        FP8_BITS=fp8_bits,
-        FP8_MAX=_fp8.FP8_MAX,
+        fp8_bits,
     )
 
 
@@ -150,6 +210,133 @@ def _resolve_fp8_mode(mode: str | None, device: torch.device) -> str:
     return mode
 
 
+# ----------------------------------------------------------------------------------------
+# Absorbed attention
+# ----------------------------------------------------------------------------------------
+
+
+def _absorbed_attention_op(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    new_lens: torch.Tensor,
+    cu_new: torch.Tensor,
+    q_block_req: torch.Tensor,
+    q_block_start: torch.Tensor,
+    kv_scale: Optional[torch.Tensor],  # noqa: UP045 (torch's schema inference reads it)
+    softmax_scale: float,
+    block_q: int,
+    num_kv_splits: int,
+    block_n: int,
+    fp8_bits: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla_backend::triton_absorbed_attention``: arguments already checked by
+    :func:`absorbed_attention` (the plan part's int32 index tensors, its work partition
+    ``block_q`` / ``num_kv_splits``, q_lat / q_pe last-dim contiguous, kv_scale a float32
+    scalar or None). Returns (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32)."""
+    T, H, r = q_lat.shape
+    rope = q_pe.shape[-1]
+    device = q_lat.device
+    cd = q_lat.dtype
+    o_lat = torch.empty(T, H, r, dtype=cd, device=device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=device)
+    if T == 0 or H == 0:
+        return o_lat, lse
+    block_h = hx.attention_tiles(H, block_q)[1]
+    block_r = hx.dim_block(r)
+    num_q_blocks = q_block_req.shape[0]
+    num_h_blocks = triton.cdiv(H, block_h)
+    if num_kv_splits == 1:
+        out, out_lse = o_lat, lse
+        so = (o_lat.stride(0), o_lat.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1), 0)
+    else:
+        out = torch.empty(T, H, num_kv_splits, r, dtype=torch.float32, device=device)
+        out_lse = torch.empty(T, H, num_kv_splits, dtype=torch.float32, device=device)
+        so = (out.stride(0), out.stride(1), out.stride(2))
+        sl = (out_lse.stride(0), out_lse.stride(1), out_lse.stride(2))
+    if _skip_launch(q_lat):
+        return o_lat, lse
+    _check_runnable(device, absorbed_attn_kernel)
+
+    dot_dtype = cd
+    if hx.interpreting() and cd == torch.bfloat16:
+        dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
+    has_scale = kv_scale is not None
+    scale = kv_scale if has_scale else lse
+    kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
+    q_pe_arg = q_pe if rope else q_lat
+
+    wrap_triton(absorbed_attn_kernel)[(num_q_blocks * num_h_blocks, num_kv_splits)](
+        q_lat,
+        q_pe_arg,
+        kv_arg,
+        block_table,
+        prefix_lens,
+        new_lens,
+        cu_new,
+        q_block_req,
+        q_block_start,
+        scale,
+        out,
+        out_lse,
+        H,
+        r,
+        rope,
+        kv_cache.shape[1],
+        num_kv_splits,
+        softmax_scale * _LOG2E,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe_arg.stride(0),
+        q_pe_arg.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        *so,
+        *sl,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_ROPE=hx.dim_block(rope),
+        HAS_ROPE=rope > 0,
+        HAS_SCALE=has_scale,
+        FP8_BITS=fp8_bits,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        P_DTYPE=_TL_DTYPE[cd],
+        IEEE=dot_dtype == torch.float32,
+        num_warps=4,
+    )
+    if num_kv_splits > 1:
+        merge_block_h = min(hx.next_pow2(H), 16)
+        wrap_triton(merge_splits_kernel)[(T, triton.cdiv(H, merge_block_h))](
+            out,
+            out_lse,
+            o_lat,
+            lse,
+            H,
+            r,
+            num_kv_splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            out_lse.stride(0),
+            out_lse.stride(1),
+            out_lse.stride(2),
+            o_lat.stride(0),
+            o_lat.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+            BLOCK_H=merge_block_h,
+            BLOCK_R=block_r,
+            num_warps=4,
+        )
+    return o_lat, lse
+
+
 def absorbed_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -161,7 +348,8 @@ def absorbed_attention(
     block_n: int | None = None,
     fp8_mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA attention over the paged latent cache (decode and extend), in Triton.
+    """Absorbed MLA attention over the paged latent cache (decode and extend), through the
+    custom op ``mla_backend::triton_absorbed_attention``.
 
     Args:
         q_lat: [T, H, r] absorbed query (``q_nope · W_UK``), bf16/fp16/fp32.
@@ -170,7 +358,7 @@ def absorbed_attention(
             request's ``prefix_lens[i] + new_lens[i]`` tokens.
         part: the plan's requests (T == part.num_tokens); its work partition gives the query
             blocks and the split count.
-        softmax_scale: applied to ``q·k``.
+        softmax_scale: applied to ``q·k`` (a Python float).
         kv_scale: float32 scalar: cached values are ``stored * kv_scale`` (fp8 caches).
         block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
         fp8_mode: ``"native"`` (Triton's e4m3 conversion) or ``"bits"`` (integer decode of
@@ -196,115 +384,50 @@ def absorbed_attention(
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
-    device = q_lat.device
-    cd = q_lat.dtype
-    o_lat = torch.empty(T, H, r, dtype=cd, device=device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=device)
-    if T == 0 or H == 0:
-        return o_lat, lse
-    _check_runnable(device, absorbed_attn_kernel)
-    q_lat = _last_dim_contiguous(q_lat)
-    q_pe = _last_dim_contiguous(q_pe.to(cd)) if rope else q_lat
-
-    work = part.work
-    block_q = work.block_q
-    block_h = hx.attention_tiles(H, block_q)[1]
-    block_r = hx.dim_block(r)
-    block_rope = hx.dim_block(rope)
     if block_n is None:
-        block_n = hx.kv_block(block_r)
+        block_n = hx.kv_block(hx.dim_block(r))
     if block_n < hx.MIN_DOT_DIM or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two >= {hx.MIN_DOT_DIM}")
-    num_q_blocks = work.q_block_req.shape[0]
-    num_h_blocks = triton.cdiv(H, block_h)
-    num_kv_splits = work.num_kv_splits
-    block_table = part.block_table
-
-    if num_kv_splits == 1:
-        out, out_lse = o_lat, lse
-        so = (o_lat.stride(0), o_lat.stride(1), 0)
-        sl = (lse.stride(0), lse.stride(1), 0)
-    else:
-        out = torch.empty(T, H, num_kv_splits, r, dtype=torch.float32, device=device)
-        out_lse = torch.empty(T, H, num_kv_splits, dtype=torch.float32, device=device)
-        so = (out.stride(0), out.stride(1), out.stride(2))
-        sl = (out_lse.stride(0), out_lse.stride(1), out_lse.stride(2))
-
-    dot_dtype = cd
-    if hx.interpreting() and cd == torch.bfloat16:
-        dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
-    has_scale = kv_scale is not None
-    scale = kv_scale.float().reshape(()) if has_scale else lse
+    device = q_lat.device
+    if T and H:
+        _check_runnable(device, absorbed_attn_kernel)
     fp8_bits = kv_cache.dtype == _fp8.FP8_DTYPE and _resolve_fp8_mode(fp8_mode, device) == "bits"
-    kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
-
-    grid = (num_q_blocks * num_h_blocks, num_kv_splits)
-    absorbed_attn_kernel[grid](
-        q_lat,
-        q_pe,
-        kv_arg,
-        block_table,
+    work = part.work
+    return torch.ops.mla_backend.triton_absorbed_attention(
+        _last_dim_contiguous(q_lat),
+        _last_dim_contiguous(q_pe.to(q_lat.dtype)),
+        kv_cache,
+        part.block_table,
         part.prefix_lens_t,
         part.new_lens_t,
         part.cu_new_t,
         work.q_block_req,
         work.q_block_start,
-        scale,
-        out,
-        out_lse,
-        H,
-        r,
-        rope,
-        kv_cache.shape[1],
-        num_kv_splits,
-        float(softmax_scale) * _LOG2E,
-        q_lat.stride(0),
-        q_lat.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        *so,
-        *sl,
-        BLOCK_Q=block_q,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_R=block_r,
-        BLOCK_ROPE=block_rope,
-        HAS_ROPE=rope > 0,
-        HAS_SCALE=has_scale,
-        FP8_BITS=fp8_bits,
-        DOT_DTYPE=_TL_DTYPE[dot_dtype],
-        P_DTYPE=_TL_DTYPE[cd],
-        IEEE=dot_dtype == torch.float32,
-        num_warps=4,
+        kv_scale.float().reshape(()) if kv_scale is not None else None,
+        float(softmax_scale),
+        work.block_q,
+        work.num_kv_splits,
+        block_n,
+        fp8_bits,
     )
-    if num_kv_splits > 1:
-        merge_block_h = min(hx.next_pow2(H), 16)
-        merge_splits_kernel[(T, triton.cdiv(H, merge_block_h))](
-            out,
-            out_lse,
-            o_lat,
-            lse,
-            H,
-            r,
-            num_kv_splits,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            out_lse.stride(0),
-            out_lse.stride(1),
-            out_lse.stride(2),
-            o_lat.stride(0),
-            o_lat.stride(1),
-            lse.stride(0),
-            lse.stride(1),
-            BLOCK_H=merge_block_h,
-            BLOCK_R=block_r,
-            num_warps=4,
+
+
+def _register_ops() -> None:
+    """Register the custom ops once per process (``importlib.reload`` of this module keeps
+    the first registration: the ops look their kernels up in this module's globals, which a
+    reload updates in place)."""
+    ns = torch.ops.mla_backend
+    if not hasattr(ns, "triton_write_latent"):
+        triton_op("mla_backend::triton_write_latent", mutates_args={"kv_cache"})(
+            _write_latent_op
         )
-    return o_lat, lse
+    if not hasattr(ns, "triton_absorbed_attention"):
+        triton_op("mla_backend::triton_absorbed_attention", mutates_args=())(
+            _absorbed_attention_op
+        )
+
+
+_register_ops()
 
 
 class Kernels(TorchKernels):

@@ -1,11 +1,15 @@
-"""Triton kernel tests run on CPU tensors under the Triton interpreter.
+"""Triton kernel tests: on CPU tensors under the Triton interpreter (default), or compiled on a
+GPU with ``MLA_TEST_DEVICE=cuda``.
 
-The variable must be set before any ``@triton.jit`` kernel of the package is decorated, so it
-is set here, at conftest import (before the test modules are collected).
+The interpreter must be switched on before any ``@triton.jit`` kernel of the package is
+decorated, so it is set here, at conftest import (before the test modules are collected).
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("MLA_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+else:
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU

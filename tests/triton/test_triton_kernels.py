@@ -1,190 +1,32 @@
-"""Triton kernels (mla_backend.ops.triton_ops) on CPU under the Triton interpreter.
+"""Triton kernels (mla_backend.ops.triton_ops) through the plan API, on CPU under the Triton
+interpreter (or on a GPU with ``MLA_TEST_DEVICE=cuda``).
 
-Every kernel variant is compared with an independent float64 dense reference written here
-(gather each request's rows, two dots, causal mask, softmax) and with the core torch path
-(``mla_backend.ops.torch_ops``). Unused cache pages and the tails of partially used pages are
-filled with NaN, so any read outside a request's kv range shows up as NaN in the output.
-Shapes are small: the interpreter runs every program in Python.
+Cases come from the shared builder (:func:`mla_backend.testing.cases.make_case`, wrapped in
+:class:`triton_case.TCase`); every kernel variant is compared with an independent float64
+dense absorbed reference (o_lat and LSE: gather each request's rows, two dots, causal mask,
+softmax) and with the core torch path; the full layer is compared with the shared oracle.
+Unused cache pages and the tails of partially used pages hold NaN, so any read outside a
+request's kv range shows up as NaN in the output. Shapes are small: the interpreter runs
+every program in Python.
 """
 
 from __future__ import annotations
-
-import importlib
-import math
-import os
-import sys
-
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from triton_case import DEVICE, ON_GPU, TCase, assert_matches, tops  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
 from mla_backend.fp8 import FP8_DTYPE  # noqa: E402
-from mla_backend.ops import torch_ops  # noqa: E402
-
-
-def _load_triton_ops():
-    """Import the Triton path; re-decorate its kernels if they were imported before the
-    interpreter was switched on (another test module may have imported them)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from mla_backend.ops import triton_ops
-    from mla_backend.ops.triton_kernels import attention, cache_write
-
-    if not isinstance(attention.absorbed_attn_kernel, InterpretedFunction):
-        importlib.reload(attention)
-        importlib.reload(cache_write)
-        triton_ops = importlib.reload(sys.modules["mla_backend.ops.triton_ops"])
-    return triton_ops
-
-
-tops = _load_triton_ops()
-import triton.language as tl  # noqa: E402
-
 from mla_backend.ops.triton_kernels import heuristics as hx  # noqa: E402
 from mla_backend.ops.triton_kernels.attention import _e4m3_bits_to_f32  # noqa: E402
 from mla_backend.ops.triton_kernels.cache_write import _e4m3_grid_to_bits  # noqa: E402
-
-# ----------------------------------------------------------------------------------------
-# Case construction and the independent reference
-# ----------------------------------------------------------------------------------------
-
-
-class Case:
-    """A filled paged cache plus a batch and queries.
-
-    Attributes: kv_cache [P, page, r+rope]; batch; q_lat [T,H,r]; q_pe [T,H,rope];
-    seqs: per request float64 [L_i, r+rope] of the values the cache holds (dequantized).
-    """
-
-    def __init__(
-        self,
-        prefix: list[int],
-        new: list[int],
-        H: int,
-        r: int,
-        rope: int,
-        page_size: int,
-        cache_dtype: torch.dtype = torch.float32,
-        q_dtype: torch.dtype = torch.float32,
-        seed: int = 0,
-        fp8_scale: float | None = None,
-    ) -> None:
-        g = torch.Generator().manual_seed(seed)
-        B = len(prefix)
-        D = r + rope
-        lens = [p + n for p, n in zip(prefix, new, strict=True)]
-        pages_per = [-(-L // page_size) for L in lens]
-        max_pages = max(pages_per + [1]) + 1
-        num_pages = sum(pages_per) + 3
-        perm = torch.randperm(num_pages, generator=g)
-        # Unused block-table entries point at a NaN page (the last one in perm).
-        nan_page = int(perm[-1])
-        block_table = torch.full((B, max_pages), nan_page, dtype=torch.int32)
-        k = 0
-        for i, n_p in enumerate(pages_per):
-            block_table[i, :n_p] = perm[k : k + n_p].to(torch.int32)
-            k += n_p
-        kv = torch.full((num_pages, page_size, D), float("nan"), dtype=torch.float32)
-        self.kv_cache = kv.to(cache_dtype)
-        self.kv_scale = None
-        if cache_dtype == FP8_DTYPE:
-            self.kv_scale = torch.tensor(fp8_scale if fp8_scale is not None else 0.05)
-        self.seqs: list[torch.Tensor] = []
-        for i, L in enumerate(lens):
-            if L == 0:
-                self.seqs.append(torch.zeros(0, D, dtype=torch.float64))
-                continue
-            c = torch.randn(L, r, generator=g)
-            kpe = torch.randn(L, rope, generator=g)
-            pos = torch.arange(L)
-            slots = block_table[i, pos // page_size].long() * page_size + pos % page_size
-            torch_ops.write_latent(self.kv_cache, c, kpe, slots, self.kv_scale)
-            stored = self.kv_cache.view(-1, D)[slots].double()
-            if self.kv_scale is not None:
-                stored = stored * float(self.kv_scale)
-            self.seqs.append(stored)
-        self.batch = mb.MLABatch.build(prefix, new, block_table, page_size)
-        T = sum(new)
-        self.q_lat = torch.randn(T, H, r, generator=g).to(q_dtype)
-        self.q_pe = torch.randn(T, H, rope, generator=g).to(q_dtype)
-        self.scale = 1.0 / math.sqrt(r + rope + 1)
-
-    def triton(self, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-        return tops.absorbed_attention(
-            self.q_lat, self.q_pe, self.kv_cache, self.batch, self.scale, self.kv_scale, **kw
-        )
-
-    def finite_cache(self) -> torch.Tensor:
-        """The cache with its NaN rows (outside every kv range) replaced by a finite 7.0."""
-        v = self.kv_cache.float()
-        return torch.where(torch.isnan(v), 7.0, v).to(self.kv_cache.dtype)
-
-    def torch_path(self, poisoned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.kv_cache if poisoned else self.finite_cache()
-        return torch_ops.absorbed_attention(
-            self.q_lat, self.q_pe, cache, self.batch, self.scale, self.kv_scale
-        )
-
-    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return dense_reference(
-            self.q_lat,
-            self.q_pe,
-            self.seqs,
-            self.batch.prefix_lens,
-            self.batch.new_lens,
-            self.scale,
-        )
-
-
-def dense_reference(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    seqs: list[torch.Tensor],
-    prefix: list[int],
-    new: list[int],
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 absorbed attention from the formulas: o [T,H,r], lse [T,H]."""
-    T, H, r = q_lat.shape
-    o = torch.zeros(T, H, r, dtype=torch.float64)
-    lse = torch.zeros(T, H, dtype=torch.float64)
-    row = 0
-    for seq, p, n in zip(seqs, prefix, new, strict=True):
-        c, kpe = seq[:, :r], seq[:, r:]
-        for j in range(n):
-            L = p + j + 1
-            s = q_lat[row].double() @ c[:L].T + q_pe[row].double() @ kpe[:L].T  # [H, L]
-            s = s * scale
-            lse[row] = torch.logsumexp(s, dim=-1)
-            o[row] = torch.softmax(s, dim=-1) @ c[:L]
-            row += 1
-    return o, lse
-
-
-TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
-
-
-def assert_matches(case: Case, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-    o, lse = out
-    T, H, r = case.q_lat.shape
-    assert o.shape == (T, H, r) and o.dtype == case.q_lat.dtype
-    assert lse.shape == (T, H) and lse.dtype == torch.float32
-    assert torch.isfinite(o.float()).all() and torch.isfinite(lse).all()
-    atol, rtol = TOL[case.q_lat.dtype]
-    o_ref, lse_ref = case.reference()
-    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
-    torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
-    o_t, lse_t = case.torch_path()  # cross-check on the same values, NaN rows made finite
-    torch.testing.assert_close(o.float(), o_t.float(), atol=atol, rtol=rtol)
-    torch.testing.assert_close(lse, lse_t, atol=atol, rtol=rtol)
-
 
 # ----------------------------------------------------------------------------------------
 # Cache write
@@ -227,9 +69,17 @@ def test_write_latent_matches_torch_path(
     slots[T - 2] = -1
     scale = torch.tensor(0.02) if dtype == FP8_DTYPE else None  # 3-sigma values saturate
     want = base.clone()
-    torch_ops.write_latent(want, c_kv, k_pe, slots, scale)
-    got = base.clone()
-    tops.write_latent(got, c_kv, k_pe, slots.to(torch.int32), scale, fp8_mode=mode)
+    mb.write_latent(want, c_kv, k_pe, slots, scale, impl="torch")
+    got = base.clone().to(DEVICE)
+    mb.write_latent(
+        got,
+        c_kv.to(DEVICE),
+        k_pe.to(DEVICE),
+        slots.to(torch.int32).to(DEVICE),
+        None if scale is None else scale.to(DEVICE),
+        impl=tops.Kernels(fp8_mode=mode),
+    )
+    got = got.cpu()
     if dtype == in_dtype or dtype == FP8_DTYPE:  # copy, or our own fp8 rounding: bit-exact
         assert torch.equal(_codes(got), _codes(want))
     else:
@@ -247,10 +97,24 @@ def test_write_latent_matches_torch_path(
 
 
 def test_write_latent_no_tokens_is_a_no_op() -> None:
-    kv = torch.randn(2, 4, 12)
+    kv = torch.randn(2, 4, 12, device=DEVICE)
     before = kv.clone()
-    tops.write_latent(kv, torch.zeros(0, 8), torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    z = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    tops.write_latent(kv, torch.zeros(0, 8, device=DEVICE), torch.zeros(0, 4, device=DEVICE), z)
     assert torch.equal(kv, before)
+
+
+def test_write_latent_padded_slot_mapping() -> None:
+    """vLLM pads slot_mapping beyond the real tokens: only the first T entries are used."""
+    kv = torch.zeros(2, 4, 12, device=DEVICE)
+    c_kv, k_pe = torch.randn(3, 8, device=DEVICE), torch.randn(3, 4, device=DEVICE)
+    slots = torch.tensor([5, -1, 0, 7, 6, 1], device=DEVICE)  # entries 3.. belong to no token
+    mb.write_latent(kv, c_kv, k_pe, slots, impl=tops.Kernels())
+    flat = kv.view(-1, 12)
+    assert torch.equal(flat[5], torch.cat([c_kv[0], k_pe[0]]))
+    assert torch.equal(flat[0], torch.cat([c_kv[2], k_pe[2]]))
+    untouched = [i for i in range(8) if i not in (0, 5)]
+    assert torch.equal(flat[untouched], torch.zeros(6, 12, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------
@@ -265,7 +129,10 @@ DECODE_PREFIX = [0, 5, 37, 70]
 def test_decode_pages_and_splits(page_size: int, splits: int) -> None:
     # 16 splits of 16-token chunks over kv lengths 1..71: most splits of every request are
     # empty (LSE -inf), and the shortest request has a single kv row.
-    case = Case(DECODE_PREFIX, [1] * 4, H=4, r=32, rope=16, page_size=page_size, seed=splits)
+    case = TCase(DECODE_PREFIX, [1] * 4, H=4, r=32, rope=16, page_size=page_size, seed=splits,
+                 phase=mb.Phase.DECODE)
+    plan = case.plan(num_kv_splits=splits, block_n=16)
+    assert plan.step.work.num_kv_splits == splits and plan.step.work.block_q == 1
     assert_matches(case, case.triton(num_kv_splits=splits, block_n=16))
 
 
@@ -273,14 +140,15 @@ def test_decode_pages_and_splits(page_size: int, splits: int) -> None:
 @pytest.mark.parametrize("splits", [1, 3])
 def test_extend_ragged_causal(page_size: int, splits: int) -> None:
     # Requests: fresh prefill, decode-like, zero new tokens, long extend onto a prefix.
-    case = Case([0, 9, 4, 33], [5, 1, 0, 9], H=3, r=32, rope=16, page_size=page_size, seed=7)
+    case = TCase([0, 9, 4, 33], [5, 1, 0, 9], H=3, r=32, rope=16, page_size=page_size, seed=7)
     assert_matches(case, case.triton(num_kv_splits=splits))
 
 
 def test_extend_many_tokens_few_heads_uses_token_blocks() -> None:
     # H=2 -> BLOCK_H=2, BLOCK_Q=8: rows of 8 tokens share a program; causal bound per row.
     assert hx.attention_tiles(2, 13) == (8, 2)
-    case = Case([3, 0], [13, 6], H=2, r=16, rope=16, page_size=16, seed=3)
+    case = TCase([3, 0], [13, 6], H=2, r=16, rope=16, page_size=16, seed=3)
+    assert case.plan(num_kv_splits=2).step.work.block_q == 8
     assert_matches(case, case.triton(num_kv_splits=2))
 
 
@@ -289,7 +157,7 @@ def test_extend_many_tokens_few_heads_uses_token_blocks() -> None:
     [(96, 32, 3), (24, 0, 5), (40, 8, 20), (512, 64, 2)],
 )
 def test_odd_dims(r: int, rope: int, H: int) -> None:
-    case = Case([6, 21], [1, 3], H=H, r=r, rope=rope, page_size=16, seed=r + rope)
+    case = TCase([6, 21], [1, 3], H=H, r=r, rope=rope, page_size=16, seed=r + rope)
     assert_matches(case, case.triton(num_kv_splits=2))
 
 
@@ -303,34 +171,17 @@ def test_odd_dims(r: int, rope: int, H: int) -> None:
     ],
 )
 def test_dtypes_and_fp8_cache(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
-    case = Case(
-        [12, 40],
-        [2, 1],
-        H=4,
-        r=32,
-        rope=16,
-        page_size=16,
-        cache_dtype=cache_dtype,
-        q_dtype=q_dtype,
-        seed=11,
-    )
+    case = TCase([12, 40], [2, 1], H=4, r=32, rope=16, page_size=16, cache_dtype=cache_dtype,
+                 q_dtype=q_dtype, seed=11)
+    assert (case.kv_scale is not None) == (cache_dtype == FP8_DTYPE)
     assert_matches(case, case.triton(num_kv_splits=3))
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_fp8_cache_decoded_from_bytes(q_dtype: torch.dtype) -> None:
     """The integer e4m3 decode (GPUs without native fp8 in Triton) gives the same result."""
-    case = Case(
-        [30, 3],
-        [1, 2],
-        H=3,
-        r=24,
-        rope=8,
-        page_size=16,
-        cache_dtype=FP8_DTYPE,
-        q_dtype=q_dtype,
-        seed=13,
-    )
+    case = TCase([30, 3], [1, 2], H=3, r=24, rope=8, page_size=16, cache_dtype=FP8_DTYPE,
+                 q_dtype=q_dtype, seed=13)
     bits = case.triton(num_kv_splits=2, fp8_mode="bits")
     assert_matches(case, bits)
     native = case.triton(num_kv_splits=2, fp8_mode="native")
@@ -348,9 +199,10 @@ def _decode_bytes_kernel(src, dst, back, N: tl.constexpr):
 
 def test_e4m3_byte_decode_all_codes() -> None:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    out = torch.empty(256)
-    back = torch.empty(256, dtype=torch.uint8)
-    _decode_bytes_kernel[(1,)](codes, out, back, 256)
+    out = torch.empty(256, device=DEVICE)
+    back = torch.empty(256, dtype=torch.uint8, device=DEVICE)
+    _decode_bytes_kernel[(1,)](codes.to(DEVICE), out, back, 256)
+    out, back = out.cpu(), back.cpu()
     want = codes.view(FP8_DTYPE).float()
     finite = torch.isfinite(want)  # 0x7F / 0xFF are NaN codes
     assert int((~finite).sum()) == 2
@@ -361,7 +213,7 @@ def test_e4m3_byte_decode_all_codes() -> None:
 
 def test_fp8_scale_is_applied() -> None:
     """Doubling kv_scale doubles every value: o doubles; the same scores need q halved."""
-    case = Case([20], [2], H=2, r=16, rope=16, page_size=16, cache_dtype=FP8_DTYPE, seed=5)
+    case = TCase([20], [2], H=2, r=16, rope=16, page_size=16, cache_dtype=FP8_DTYPE, seed=5)
     o1, lse1 = case.triton()
     case.kv_scale = case.kv_scale * 2
     case.q_lat = case.q_lat / 2
@@ -378,17 +230,18 @@ def test_torch_path_ignores_rows_outside_kv_range(page_size: int, H: int) -> Non
     (FlashMLA's test poisons unused cache rows with NaN the same way): rows outside a
     request's kv range (page tails, unassigned pages) must not reach the output, since
     0 * NaN = NaN in P @ V. Not a Triton test, but it guards the reference these tests use."""
-    case = Case(DECODE_PREFIX, [1] * 4, H=H, r=32, rope=16, page_size=page_size, seed=1)
+    case = TCase(DECODE_PREFIX, [1] * 4, H=H, r=32, rope=16, page_size=page_size, seed=1,
+                 phase=mb.Phase.DECODE)
     o, lse = case.torch_path(poisoned=True)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all(), (
-        "mla_backend.ops.torch_ops.absorbed_attention returned NaN: it reads cache rows "
-        "outside a request's kv range (padding of a batched gather?)"
+        "the torch path's absorbed attention returned NaN: it reads cache rows outside a "
+        "request's kv range (padding of a batched gather?)"
     )
 
 
 def test_default_heuristic_path_and_many_splits_agree() -> None:
-    case = Case([300, 2], [1, 1], H=2, r=16, rope=16, page_size=64, seed=9)
-    base = case.triton()  # heuristic on CPU: fallback SM count
+    case = TCase([300, 2], [1, 1], H=2, r=16, rope=16, page_size=64, seed=9)
+    base = case.triton()  # heuristic (CPU: fallback SM count)
     assert_matches(case, base)
     many = case.triton(num_kv_splits=19, block_n=16)
     torch.testing.assert_close(many[0], base[0], atol=2e-5, rtol=2e-5)
@@ -397,27 +250,34 @@ def test_default_heuristic_path_and_many_splits_agree() -> None:
 
 def test_strided_query_views() -> None:
     """SGLang splits q into q_lat / q_pe views of one [T, H, r + rope] tensor."""
-    case = Case([8, 3], [1, 2], H=3, r=32, rope=16, page_size=16, seed=4)
+    case = TCase([8, 3], [1, 2], H=3, r=32, rope=16, page_size=16, seed=4)
     q = torch.cat([case.q_lat, case.q_pe], dim=-1)
     q_lat, q_pe = q[..., :32], q[..., 32:]
     assert not q_lat.is_contiguous()
-    got = tops.absorbed_attention(q_lat, q_pe, case.kv_cache, case.batch, case.scale)
+    got = mb.absorbed_attention(q_lat, q_pe, case.kv_cache, case.plan(), case.scale)
+    assert_matches(case, got)
+    # the module function on the plan part, as the seam calls it
+    got = tops.absorbed_attention(q_lat, q_pe, case.kv_cache, case.plan().step, case.scale)
     assert_matches(case, got)
 
 
 def test_idle_batch_and_requests_without_tokens() -> None:
-    kv = torch.zeros(2, 16, 48)
+    kv = torch.zeros(2, 16, 48, device=DEVICE)
     bt = torch.zeros(2, 2, dtype=torch.int32)
-    batch = mb.MLABatch.build([3, 0], [0, 0], bt, 16, mb.Phase.IDLE)
-    o, lse = tops.absorbed_attention(torch.zeros(0, 2, 32), torch.zeros(0, 2, 16), kv, batch, 0.1)
+    batch = mb.MLABatch.build([3, 0], [0, 0], bt.to(DEVICE), 16, mb.Phase.IDLE,
+                              block_table_host=bt)
+    dims = mb.MLADims(2, 32, 8, 16, 8)
+    plan = mb.plan(batch, dims, mb.Policy("absorb"), device=DEVICE, impl=tops.Kernels())
+    o, lse = mb.absorbed_attention(
+        torch.zeros(0, 2, 32, device=DEVICE), torch.zeros(0, 2, 16, device=DEVICE), kv, plan, 0.1
+    )
     assert o.shape == (0, 2, 32) and lse.shape == (0, 2)
 
 
-def test_int64_block_table_and_slots() -> None:
-    case = Case([17], [2], H=2, r=16, rope=16, page_size=16, seed=12)
-    case.batch = mb.MLABatch.build(
-        case.batch.prefix_lens, case.batch.new_lens, case.batch.block_table.long(), 16
-    )
+def test_int64_block_table() -> None:
+    case = TCase([17], [2], H=2, r=16, rope=16, page_size=16, seed=12)
+    case.set_block_table(case.batch.host_block_table().long())
+    assert case.batch.block_table.dtype == torch.int64
     assert_matches(case, case.triton(num_kv_splits=2))
 
 
@@ -444,73 +304,40 @@ def test_random_batches(
     if sum(new) == 0:
         new[0] = 1
     r, rope = dims
-    case = Case(prefix, new, H=H, r=r, rope=rope, page_size=page_size, seed=sum(prefix))
+    case = TCase(prefix, new, H=H, r=r, rope=rope, page_size=page_size, seed=sum(prefix))
     assert_matches(case, case.triton(num_kv_splits=splits, block_n=block_n))
 
 
-def test_write_latent_padded_slot_mapping() -> None:
-    """vLLM pads slot_mapping beyond the real tokens: only the first T entries are used."""
-    kv = torch.zeros(2, 4, 12)
-    c_kv, k_pe = torch.randn(3, 8), torch.randn(3, 4)
-    slots = torch.tensor([5, -1, 0, 7, 6, 1])  # entries 3.. belong to no token
-    tops.write_latent(kv, c_kv, k_pe, slots)
-    flat = kv.view(-1, 12)
-    assert torch.equal(flat[5], torch.cat([c_kv[0], k_pe[0]]))
-    assert torch.equal(flat[0], torch.cat([c_kv[2], k_pe[2]]))
-    untouched = [i for i in range(8) if i not in (0, 5)]
-    assert torch.equal(flat[untouched], torch.zeros(6, 12))
-
-
 # ----------------------------------------------------------------------------------------
-# Seam, heuristics, fp8 bmm
+# Seam, heuristics, benchmark plumbing
 # ----------------------------------------------------------------------------------------
 
 
-def test_seam_routes_to_triton_and_matches_paper_oracle() -> None:
-    """Full layer through MLAAttention(impl='triton') vs the paper's decompressed MHA."""
-    dims = mb.MLADims(
-        num_heads=3, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=8
-    )
-    g = torch.Generator().manual_seed(21)
-    w = torch.randn(3 * (8 + 8), 32, generator=g) * 0.2
-    weights = mb.split_kv_b_proj(w, dims)
-    case = Case([10, 0], [1, 4], H=3, r=32, rope=16, page_size=16, seed=21)
-    q_nope = torch.randn(5, 3, 8, generator=g)
-    attn = mb.MLAAttention(
-        dims, weights, case.scale, policy=mb.Policy(mode="absorb"), impl="triton"
-    )
+def test_seam_routes_to_triton_and_matches_shared_oracle(monkeypatch) -> None:
+    """Full layer through MLAAttention on a Triton plan vs the shared oracle (the paper's
+    decompressed MHA)."""
+    case = TCase([10, 0], [1, 4], H=3, r=32, rope=16, page_size=16, seed=21, nope=8, v=12)
+    base = case.base
     called = []
-    orig = tops.absorbed_attention
+    real = tops.absorbed_attention
 
     def spy(*a, **k):
         called.append(True)
-        return orig(*a, **k)
+        return real(*a, **k)
 
-    tops.absorbed_attention = spy
-    try:
-        out = attn(q_nope, case.q_pe, case.kv_cache, case.batch)
-    finally:
-        tops.absorbed_attention = orig
-    assert called, "impl='triton' did not reach mla_backend.ops.triton_ops"
-    r = 32
-    seqs = [s.float() for s in case.seqs]
-    ref = mb.testing.reference.reference_mla_attention(
-        q_nope,
-        case.q_pe,
-        [s[:, :r] for s in seqs],
-        [s[:, r:] for s in seqs],
-        w,
-        8,
-        8,
-        case.batch.new_lens,
-        case.scale,
-    )
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(tops, "absorbed_attention", spy)
+    w = mb.AbsorbWeights(base.weights.W_UK.to(DEVICE), base.weights.W_UV.to(DEVICE))
+    attn = mb.MLAAttention(case.dims, w, case.scale)
+    out = attn(base.q_nope.to(DEVICE), case.q_pe, case.kv_cache, case.plan())
+    assert called, "a Triton plan did not reach mla_backend.ops.triton_ops"
+    assert out.shape == (5, 3, 12) and out.device == case.device
+    torch.testing.assert_close(out.cpu(), base.oracle(case.scale), atol=1e-4, rtol=1e-4)
 
 
-def test_env_override_routes_cpu_tensors_to_triton(monkeypatch) -> None:
-    """MLA_BACKEND_IMPL=triton sends CPU tensors through the seam to the Triton kernels."""
-    case = Case([9, 2], [1, 3], H=2, r=16, rope=16, page_size=16, seed=8)
+def test_env_override_routes_to_triton(monkeypatch) -> None:
+    """MLA_BACKEND_IMPL=triton sends the tensors (CPU ones too) through the seam to the Triton
+    kernels when no impl is named."""
+    case = TCase([9, 2], [1, 3], H=2, r=16, rope=16, page_size=16, seed=8)
     calls = []
     for name in ("absorbed_attention", "write_latent"):
         real = getattr(tops, name)
@@ -522,9 +349,12 @@ def test_env_override_routes_cpu_tensors_to_triton(monkeypatch) -> None:
         monkeypatch.setattr(tops, name, spy)
     monkeypatch.setenv("MLA_BACKEND_IMPL", "triton")
     kv = case.kv_cache.clone()
-    mb.write_latent(kv, torch.randn(1, 16), torch.randn(1, 16), torch.tensor([-1]))
+    c_kv, k_pe = torch.randn(1, 16, device=DEVICE), torch.randn(1, 16, device=DEVICE)
+    mb.write_latent(kv, c_kv, k_pe, torch.tensor([-1], device=DEVICE))
     assert torch.equal(kv.nan_to_num(7.0), case.kv_cache.nan_to_num(7.0))  # -1: nothing written
-    got = mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, case.batch, case.scale)
+    plan = mb.plan(case.batch, case.dims, mb.Policy("absorb"), device=DEVICE)
+    assert plan.impl.name == "triton"
+    got = mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, plan, case.scale)
     assert calls == ["write_latent", "absorbed_attention"]
     assert_matches(case, got)
 
@@ -534,9 +364,22 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
 
     compiled = triton.JITFunction(attention.absorbed_attn_kernel.fn)  # as on a GPU machine
     monkeypatch.setattr(tops, "absorbed_attn_kernel", compiled)
-    case = Case([4], [1], H=2, r=16, rope=16, page_size=16)
+    case = TCase([4], [1], H=2, r=16, rope=16, page_size=16, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         case.triton()
+
+
+def test_kernels_are_torch_library_ops() -> None:
+    """The kernels are registered custom ops (torch.library.triton_op)."""
+    for name in ("triton_absorbed_attention", "triton_write_latent"):
+        op = getattr(torch.ops.mla_backend, name).default
+        assert isinstance(op, torch._ops.OpOverload)
+    def written(name: str) -> list[str]:
+        schema = getattr(torch.ops.mla_backend, name).default._schema
+        return [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+
+    assert written("triton_write_latent") == ["kv_cache"]  # declares its one mutation
+    assert written("triton_absorbed_attention") == []
 
 
 def test_split_heuristic() -> None:
@@ -578,11 +421,13 @@ def test_gpu_benchmark_plumbing_on_cpu(capsys) -> None:
     tflops, gbs = bench._flashmla_throughput(1.0, 1, 1, 1, 1000, 2)
     assert tflops == pytest.approx(2 * 1000 * 1088 / 1e9)
     assert gbs == pytest.approx((1000 * 576 + 576 + 512) * 2 / 1e6)
+    _, gbs8 = bench._flashmla_throughput(1.0, 1, 1, 1, 1000, 1)  # fp8 cache, bf16 q / o
+    assert gbs8 == pytest.approx((1000 * 576 + (576 + 512) * 2) / 1e6)
+    if ON_GPU:
+        return  # the GPU run executes the benchmark itself
     if not torch.cuda.is_available():
         assert bench.main([]) == 0
         assert "needs a CUDA or ROCm GPU" in capsys.readouterr().out
-    _, gbs8 = bench._flashmla_throughput(1.0, 1, 1, 1, 1000, 1)  # fp8 cache, bf16 q / o
-    assert gbs8 == pytest.approx((1000 * 576 + (576 + 512) * 2) / 1e6)
     # The GPU sweep's code on tiny CPU shapes (fake timer), compared with the torch path.
     assert bench.main(["--smoke"]) == 0
     assert (
