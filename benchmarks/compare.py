@@ -1,5 +1,6 @@
-"""Run one vLLM attention backend on a fixed workload and report tokens/s, generations and
-KV-cache bytes per token; used by the demo (examples/vllm_demo.py) and the benchmark
+"""Run one vLLM attention backend on a fixed workload and report tokens/s, generations,
+KV-cache bytes per token and attention-weight bytes per layer beyond the checkpoint's; used
+by the demo (examples/vllm_demo.py) and the benchmark
 (benchmarks/vllm_bench.py).
 
 Every timed iteration uses prompts no earlier run has seen (no prefix-cache hits). Each
@@ -51,6 +52,39 @@ def kv_bytes_per_token(model_dir: str | Path, kv_cache_dtype: str = "auto") -> i
     return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * elem
 
 
+
+_ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def attn_weight_extra_bytes(model_dir: str | Path, backend: str, dtype: str) -> int:
+    """Attention-weight bytes per layer that a backend holds beyond the checkpoint's
+    ``kv_b_proj`` weight (unquantized checkpoints), with K = H * (nope + v) * r elements
+    (``kv_b_proj``'s size), c = checkpoint element size, a = the model's (``dtype``):
+
+    - MLA_ABSORB: the core's ``W_UK`` [H, nope, r] + ``W_UV`` [H, r, v] in the model dtype
+      (K * a, ``mla_backend.weights_from_kv_b_proj``), plus what vLLM's ``MLAAttention`` makes
+      for every backend but AMX_MLA (``W_UK_T`` / ``W_UV``, see CPU_MLA).
+    - CPU_MLA (vLLM's generic path, ``MLAAttention.process_weights_after_loading``):
+      ``W_UK_T`` / ``W_UV`` are views of ``kv_b_proj.weight`` when it is already in the model
+      dtype (``get_and_maybe_dequant_weights`` returns the weight itself), else a converted
+      copy: 0 or K * a.
+    - AMX_MLA (``AMXMLAImpl.process_weights_after_loading``): VNNI-packed ``W_UK`` / ``W_UV``
+      in the model dtype (``convert_weight_packed`` keeps the element count: measured 2 MiB in
+      and out for [16, 512, 128] bf16), after which ``MLAAttention`` releases
+      ``kv_b_proj.weight``: K * a - K * c.
+    """
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    K = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+    K *= cfg["kv_lora_rank"]
+    c = _ELEM[cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"]
+    a = _ELEM[dtype] if dtype in _ELEM else c
+    generic = 0 if a == c else K * a
+    if backend == "AMX_MLA":
+        return K * a - K * c
+    if backend == "MLA_ABSORB":
+        return K * a + generic
+    return generic
+
 def _child(spec: RunSpec) -> dict[str, Any]:
     import torch
     from vllm import LLM, SamplingParams
@@ -69,6 +103,11 @@ def _child(spec: RunSpec) -> dict[str, Any]:
         "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
         "prefix_caching": cfg.cache_config.enable_prefix_caching,
         "kv_bytes_per_token": kv_bytes_per_token(spec.model, str(cfg.cache_config.cache_dtype)),
+        "attn_weight_extra_bytes_per_layer": attn_weight_extra_bytes(
+            spec.model,
+            cfg.attention_config.backend.name if cfg.attention_config.backend else spec.backend,
+            str(cfg.model_config.dtype).removeprefix("torch."),
+        ),
         "workloads": [],
     }
     vocab = llm.llm_engine.model_config.get_vocab_size()

@@ -92,15 +92,23 @@ def main() -> None:
         lines.append(f"| {w.name} | " + " | ".join(cells + ratio) + " |")
     lines += [
         "",
-        "| backend | selected | block size | chunked prefill | prefix caching | KV bytes/token |",
-        "|---|---|---|---|---|---|",
+        "| backend | selected | block size | chunked prefill | prefix caching | KV bytes/token "
+        "| attention-weight bytes/layer beyond the checkpoint |",
+        "|---|---|---|---|---|---|---|",
     ]
     for b in backends:
         x = results[b][0]
         lines.append(
             f"| {b} | {x['selected']} | {x['block_size']} | {x['chunked_prefill']} | "
-            f"{x['prefix_caching']} | {x['kv_bytes_per_token']} |"
+            f"{x['prefix_caching']} | {x['kv_bytes_per_token']} | "
+            f"{x.get('attn_weight_extra_bytes_per_layer', '-')} |"
         )
+    lines += [
+        "",
+        "Attention-weight bytes per layer beyond the checkpoint's kv_b_proj: computed from the "
+        "model's dims and each backend's weight handling (benchmarks/compare.py, "
+        "attn_weight_extra_bytes, says how for each backend).",
+    ]
     table = "\n".join(lines) + "\n"
     (out / f"vllm_bench_{stamp}.md").write_text(table)
     print(table)

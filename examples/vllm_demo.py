@@ -3,7 +3,9 @@ side by side with vLLM's in-tree AMX_MLA and CPU_MLA on the same prompts.
 
 Generates the built-in tiny model (config, WordLevel tokenizer, random safetensors weights;
 DeepSeek-V2-Lite attention dims: 16 heads, latent 512 + rope 64), runs each backend in its own
-fresh vLLM engine, and prints the generations, output tokens/s and KV-cache bytes per token.
+fresh vLLM engine, and prints the generations, output tokens/s, KV-cache bytes per token and
+the attention-weight bytes per layer each backend holds beyond the checkpoint's ``kv_b_proj``
+(computed, see ``benchmarks/compare.py``).
 
     python examples/vllm_demo.py [--model-dir DIR] [--max-tokens 24]
 """
@@ -63,13 +65,14 @@ def main() -> None:
     print()
     print(
         f"{'backend':>10} | {'selected':>10} | {'out tok/s':>9} | {'latency s':>9} | "
-        f"{'KV B/token':>10} | block | chunked prefill | prefix caching"
+        f"{'KV B/token':>10} | {'+attn W B/layer':>15} | block | chunked prefill | prefix caching"
     )
     for b, r in results.items():
         w = r["workloads"][0]
         print(
             f"{b:>10} | {r['selected']:>10} | {w['output_tok_s']:9.1f} | "
-            f"{w['latency_s']:9.2f} | {r['kv_bytes_per_token']:10d} | {r['block_size']:5d} | "
+            f"{w['latency_s']:9.2f} | {r['kv_bytes_per_token']:10d} | "
+            f"{r['attn_weight_extra_bytes_per_layer']:15d} | {r['block_size']:5d} | "
             f"{r['chunked_prefill']!s:>15} | {r['prefix_caching']}"
         )
 

@@ -307,3 +307,16 @@ def test_impl_rejects_unsupported_settings(kwarg: str, value: object) -> None:
     kwargs[kwarg] = value
     with pytest.raises(ValueError, match=kwarg):
         MLAAbsorbImpl(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_bytes_beyond_checkpoint(dtype: torch.dtype) -> None:
+    """The core keeps exactly one W_UK + W_UV copy in the model dtype: H*(nope+v)*r elements
+    (the figure benchmarks/compare.py reports for MLA_ABSORB)."""
+    from mla_backend.weights import extra_weight_bytes
+
+    d = DIMS["deepseek"]
+    K = d.num_heads * (d.qk_nope_head_dim + d.v_head_dim) * d.kv_lora_rank
+    impl = _impl(d, torch.randn(K // d.kv_lora_rank, d.kv_lora_rank), dtype, "auto")
+    assert extra_weight_bytes(impl.attn.weights) == K * dtype.itemsize
+    assert impl.attn.weights.W_UK.dtype == dtype
