@@ -13,6 +13,7 @@ around. Importing this module does not import SGLang.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import sys
@@ -25,6 +26,7 @@ _LOGGER = "mla_backend.sglang"
 TESTED_SGLANG_RANGE: tuple[tuple[int, ...], tuple[int, ...]] = ((0, 5, 23), (0, 5, 24))
 
 
+@functools.lru_cache(maxsize=1)
 def sglang_version() -> str:
     """The installed SGLang version (distribution metadata: no SGLang import)."""
     try:

