@@ -79,6 +79,7 @@ struct Params {
   int64_t qp_s0, qp_s1;
   const char* cache;
   int64_t c_s0, c_s1;  // page / row strides in bytes
+  int64_t row_bytes;   // (r + rope) * element size
   float score_scale;   // softmax_scale * kv_scale
   float out_scale;     // kv_scale
   char* out;           // [T, H, r] contiguous, q dtype
@@ -97,6 +98,15 @@ struct Item {
 inline int64_t row_offset(const Params& P, int64_t i, int64_t pos) {
   int64_t page = P.bt[i * P.bt_s0 + pos / P.page_size];
   return page * P.c_s0 + (pos % P.page_size) * P.c_s1;
+}
+
+inline void prefetch_row(const char* p, int64_t bytes) {
+#ifdef MLA_AVX512
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
 template <typename T>
@@ -301,19 +311,10 @@ struct Bf16Engine {
       if constexpr (kFp8) {
         uint16_t* dst = Kd + static_cast<int64_t>(c) * Dp;
         const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
-        for (int64_t d = 0; d < D; d += 16) {
+        for (int64_t d = 0; d < D; d += 32) {
           int64_t left = D - d;
-          __m512 f;
-          if (left >= 16) {
-            f = fp8x16_to_f32(s8 + d);
-          } else {
-            alignas(16) uint8_t tmp[16] = {0};
-            std::memcpy(tmp, s8 + d, left);
-            f = fp8x16_to_f32(tmp);
-          }
-          // exact: an e4m3 value has 3 mantissa bits
-          __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), h);
+          __mmask32 msk = left >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << left) - 1);
+          _mm512_storeu_si512(dst + d, fp8x32_to_bf16(s8 + d, msk));  // exact
         }
         rows[c] = dst;
       } else {
@@ -488,8 +489,16 @@ void run_item(const Params& P, const Item& it, Engine& E, float* S, int64_t* off
   const int64_t kend = std::min<int64_t>(it.kv1, lim_max);
   for (int64_t t0 = it.kv0; t0 < kend; t0 += kTileN) {
     const int nt = static_cast<int>(std::min<int64_t>(kTileN, kend - t0));
-    for (int c = 0; c < nt; ++c) offs[c] = row_offset(P, i, t0 + c);
+    if (t0 == it.kv0)
+      for (int c = 0; c < nt; ++c) offs[c] = row_offset(P, i, t0 + c);
     E.load_tile(offs, nt);
+    // the next tile's rows: offsets now, a prefetch into L2 while this tile computes
+    const int64_t t1 = t0 + kTileN;
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTileN, kend - t1)));
+    for (int c = 0; c < nn; ++c) {
+      offs[c] = row_offset(P, i, t1 + c);
+      prefetch_row(P.cache + offs[c], P.row_bytes);
+    }
     E.scores(rows_pad, nt, S);
     softmax_tile(S, rows_pad, nt, static_cast<int>(round_up(nt, 4)), lim, t0, P.score_scale, mrow,
                  lrow, alpha);
@@ -763,6 +772,7 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   P.cache = static_cast<const char*>(kv_cache.data_ptr());
   P.c_s0 = kv_cache.stride(0) * ces;
   P.c_s1 = kv_cache.stride(1) * ces;
+  P.row_bytes = D * ces;
   P.score_scale = static_cast<float>(softmax_scale) * kvs;
   P.out_scale = kvs;
   P.out = static_cast<char*>(out.data_ptr());

@@ -91,6 +91,24 @@ inline __m512 fp8x16_to_f32(const uint8_t* p) {
   __m512i v = _mm512_mask_mov_epi32(normal, is_sub, _mm512_castps_si512(sub));
   return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
 }
+
+// 32 fp8 e4m3fn bytes -> 32 exact bf16 (as uint16 lanes). `mask` selects the bytes to read
+// (the others decode as +0).
+inline __m512i fp8x32_to_bf16(const uint8_t* p, __mmask32 mask) {
+  __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
+  __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+  __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+  // normal: exponent bias 7 -> 127, 3 mantissa bits -> the top of bf16's 7
+  __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  // subnormal (exponent 0): m * 2^-9 for m = 0..7, from a table
+  const __m512i sub_tbl = _mm512_set_epi16(
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+      /*7*/ 0x3C60, /*6*/ 0x3C40, /*5*/ 0x3C20, /*4*/ 0x3C00, /*3*/ 0x3BC0, /*2*/ 0x3B80,
+      /*1*/ 0x3B00, /*0*/ 0x0000);
+  __m512i sub = _mm512_permutexvar_epi16(mag, sub_tbl);
+  __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  return _mm512_or_si512(_mm512_mask_mov_epi16(normal, is_sub, sub), sign);
+}
 #endif
 
 }  // namespace mla_native
