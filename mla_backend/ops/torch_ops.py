@@ -175,6 +175,8 @@ class Kernels:
         of the scores and the softmax."""
         dqk, dv = q.shape[-1], v.shape[-1]
         d = max(dqk, dv)
+        if q.device.type != "cpu":  # the GPU kernels take head sizes in multiples of 8
+            d = -(-d // 8) * 8
         if dqk < d:  # zero columns do not change q·k
             q, k = F.pad(q, (0, d - dqk)), F.pad(k, (0, d - dqk))
         if dv < d:
