@@ -62,7 +62,7 @@ struct Buf {
 };
 
 struct Scratch {
-  Buf q, k, v, o, s, pb, zero, misc;
+  Buf q, k, v, o, s, pb, zero, misc, ml;
 };
 thread_local Scratch tl_scratch;
 
@@ -187,7 +187,7 @@ struct F32Engine {
     K = tl_scratch.k.get<float>(kTileN * D);
     O = tl_scratch.o.get<float>(kMaxRows * r);
   }
-  int pad_rows(int rows) const { return rows; }
+  int pad_rows(int rows) { return rows; }
   int64_t o_stride() const { return r; }
 
   void load_q(int m, const char* ql, const char* qp) {
@@ -198,7 +198,16 @@ struct F32Engine {
     for (int64_t d = 0; d < P.rope; ++d) dst[r + d] = static_cast<float>(b[d]);
   }
   void zero_q(int m) { std::fill(Q + m * D, Q + (m + 1) * D, 0.0f); }
-  void zero_o(int rows) { std::fill(O, O + rows * r, 0.0f); }
+  void start_item(int rows) { std::fill(O, O + rows * r, 0.0f); }
+
+  void compute_tile(int rows, int nt, int64_t t0, const int64_t* lim, float sc, float* mrow,
+                    float* lrow) {
+    float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + kMaxRows);
+    float* alpha = S + kMaxRows * kTileN;
+    scores(rows, nt, S);
+    softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, 4)), lim, t0, sc, mrow, lrow, alpha);
+    pv(rows, nt, S, alpha);
+  }
   const float* orow(int m) const { return O + m * r; }
 
   void load_tile(const int64_t* offs, int nt) {
@@ -269,31 +278,48 @@ struct F32Engine {
 
 #ifdef MLA_AVX512BF16
 // ---- AVX512-BF16 engine (q bf16; cache bf16 or fp8) --------------------------------------
+// Query rows live in SIMD lanes (16 rows per vector, one or two vectors per item): q is
+// packed once per item as bf16 pairs [D/2][rows] and each kv row's bf16 pair is broadcast,
+// so the scores come out as [kv][rows] with no horizontal reduction, the online softmax is
+// vertical (one max / exp / sum per kv row for 16 query rows), and the probabilities are
+// interleaved pairwise per row for P.V against the VNNI-packed tile.
 template <bool kFp8>
 struct Bf16Engine {
   const Params& P;
-  int64_t D, Dp, r, rp;
-  uint16_t* Q;     // [kMaxRows][Dp] (zero padded)
+  int64_t D, D2, Dp, r, rp;
+  int MV = 1;      // row vectors (16 rows each) of the current item
+  uint16_t* Q;     // [kMaxRows][Dp] rows as loaded (zero padded)
+  uint32_t* Qp;    // [Dp / 2][kMaxRows] bf16 pairs, rows in lanes
   uint16_t* Kd;    // [kTileN][Dp] dequantised fp8 tile
   uint16_t* Vp;    // [kTileN / 2][2 * rp] VNNI-packed V
-  uint16_t* Pb;    // [kMaxRows][kTileN] bf16 probabilities
+  uint32_t* PP;    // [kTileN / 2][kMaxRows] bf16 probability pairs per row
+  float* St;       // [kTileN][kMaxRows] scores, rows in lanes
   uint16_t* zero;  // one zero row of Dp
   float* O;        // [kMaxRows][rp]
-  const uint16_t* rows[kTileN + 4];
+  float* alpha;    // [kMaxRows]
+  const uint16_t* rows[kTileN + 16];
 
   explicit Bf16Engine(const Params& p) : P(p), D(p.D), r(p.r) {
+    static_assert(kMaxRows == 32, "two row vectors");
+    D2 = (D + 1) / 2;
     Dp = round_up(D, 32);
     rp = round_up(r, 16);
-    Q = tl_scratch.q.get<uint16_t>(kMaxRows * Dp);
+    Q = tl_scratch.q.get<uint16_t>(kMaxRows * Dp + (Dp / 2) * kMaxRows * 2);
+    Qp = reinterpret_cast<uint32_t*>(Q + kMaxRows * Dp);
     Kd = kFp8 ? tl_scratch.k.get<uint16_t>(kTileN * Dp) : nullptr;
     Vp = tl_scratch.v.get<uint16_t>(kTileN * rp);
-    Pb = tl_scratch.pb.get<uint16_t>(kMaxRows * kTileN);
+    PP = tl_scratch.pb.get<uint32_t>((kTileN / 2) * kMaxRows);
+    St = tl_scratch.s.get<float>(kTileN * kMaxRows + kMaxRows);
+    alpha = St + kTileN * kMaxRows;
     zero = tl_scratch.zero.get<uint16_t>(Dp);
     std::memset(zero, 0, Dp * sizeof(uint16_t));
     O = tl_scratch.o.get<float>(kMaxRows * rp);
   }
-  int pad_rows(int rows) const { return static_cast<int>(round_up(rows, 4)); }
-  int64_t o_stride() const { return rp; }
+  int pad_rows(int rows) {
+    MV = rows > 16 ? 2 : 1;
+    return 16 * MV;
+  }
+  const float* orow(int m) const { return O + m * rp; }
 
   void load_q(int m, const char* ql, const char* qp) {
     uint16_t* dst = Q + m * Dp;
@@ -302,8 +328,13 @@ struct Bf16Engine {
     std::memset(dst + D, 0, (Dp - D) * 2);
   }
   void zero_q(int m) { std::memset(Q + m * Dp, 0, Dp * 2); }
-  void zero_o(int rows) { std::fill(O, O + rows * rp, 0.0f); }
-  const float* orow(int m) const { return O + m * rp; }
+  void start_item(int rows_pad) {
+    std::fill(O, O + rows_pad * rp, 0.0f);
+    const int R = 16 * MV;
+    for (int64_t d2 = 0; d2 < D2; ++d2)
+      for (int m = 0; m < R; ++m)
+        Qp[d2 * R + m] = reinterpret_cast<const uint32_t*>(Q + m * Dp)[d2];
+  }
 
   void load_tile(const int64_t* offs, int nt) {
     for (int c = 0; c < nt; ++c) {
@@ -321,52 +352,47 @@ struct Bf16Engine {
         rows[c] = reinterpret_cast<const uint16_t*>(src);
       }
     }
-    for (int c = nt; c < round_up(nt, 4); ++c) rows[c] = zero;
+    for (int c = nt; c < round_up(nt, 8); ++c) rows[c] = zero;
   }
 
-  void scores(int rows_pad, int nt, float* S) {
-    const int64_t Dfull = D / 32 * 32;
-    const int64_t tail = D - Dfull;
-    const __mmask32 tmask = tail ? static_cast<__mmask32>((1ull << tail) - 1) : 0;
-    const int ntp = static_cast<int>(round_up(nt, 4));
-    alignas(64) float tmp[16];
-    for (int n0 = 0; n0 < ntp; n0 += 4) {
-      const uint16_t* k0 = rows[n0];
-      const uint16_t* k1 = rows[n0 + 1];
-      const uint16_t* k2 = rows[n0 + 2];
-      const uint16_t* k3 = rows[n0 + 3];
-      for (int m0 = 0; m0 < rows_pad; m0 += 4) {
-        const uint16_t* q0 = Q + (m0 + 0) * Dp;
-        const uint16_t* q1 = Q + (m0 + 1) * Dp;
-        const uint16_t* q2 = Q + (m0 + 2) * Dp;
-        const uint16_t* q3 = Q + (m0 + 3) * Dp;
-        __m512 acc[16];
-        for (int x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
-        auto step = [&](__m512i kv0, __m512i kv1, __m512i kv2, __m512i kv3, int64_t d) {
-          __m512i qs[4] = {_mm512_loadu_si512(q0 + d), _mm512_loadu_si512(q1 + d),
-                           _mm512_loadu_si512(q2 + d), _mm512_loadu_si512(q3 + d)};
-          for (int i = 0; i < 4; ++i) {
-            __m512bh qb = (__m512bh)qs[i];
-            acc[i * 4 + 0] = _mm512_dpbf16_ps(acc[i * 4 + 0], qb, (__m512bh)kv0);
-            acc[i * 4 + 1] = _mm512_dpbf16_ps(acc[i * 4 + 1], qb, (__m512bh)kv1);
-            acc[i * 4 + 2] = _mm512_dpbf16_ps(acc[i * 4 + 2], qb, (__m512bh)kv2);
-            acc[i * 4 + 3] = _mm512_dpbf16_ps(acc[i * 4 + 3], qb, (__m512bh)kv3);
-          }
-        };
-        for (int64_t d = 0; d < Dfull; d += 32) {
-          step(_mm512_loadu_si512(k0 + d), _mm512_loadu_si512(k1 + d), _mm512_loadu_si512(k2 + d),
-               _mm512_loadu_si512(k3 + d), d);
-        }
-        if (tail) {
-          step(_mm512_maskz_loadu_epi16(tmask, k0 + Dfull), _mm512_maskz_loadu_epi16(tmask, k1 + Dfull),
-               _mm512_maskz_loadu_epi16(tmask, k2 + Dfull), _mm512_maskz_loadu_epi16(tmask, k3 + Dfull),
-               Dfull);
-        }
-        _mm512_store_ps(tmp, reduce16(acc));
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) S[(m0 + i) * kTileN + n0 + j] = tmp[i * 4 + j];
+  // kv pair d2 of row k, as a 32-bit broadcast (an odd D's last pair is zero-extended: the
+  // element after the row may be anything, even NaN).
+  inline __m512i kpair(const uint16_t* k, int64_t d2) const {
+    int32_t v;
+    if (2 * d2 + 1 < D) std::memcpy(&v, k + 2 * d2, 4);
+    else v = k[2 * d2];
+    return _mm512_set1_epi32(v);
+  }
+
+  template <int NR, int NV>
+  void scores_kernel(int n0) {
+    constexpr int R = 16 * NV;
+    __m512 acc[NR][NV];
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    const uint16_t* k[NR];
+    for (int i = 0; i < NR; ++i) k[i] = rows[n0 + i];
+    const int64_t D2f = D / 2;  // full pairs
+    for (int64_t d2 = 0; d2 < D2f; ++d2) {
+      __m512i q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(Qp + d2 * R + 16 * v);
+      for (int i = 0; i < NR; ++i) {
+        int32_t kv;
+        std::memcpy(&kv, k[i] + 2 * d2, 4);
+        __m512bh kb = (__m512bh)_mm512_set1_epi32(kv);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, (__m512bh)q[v]);
       }
     }
+    if (D2f < D2) {
+      __m512i q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(Qp + D2f * R + 16 * v);
+      for (int i = 0; i < NR; ++i) {
+        __m512bh kb = (__m512bh)kpair(k[i], D2f);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, (__m512bh)q[v]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(St + (n0 + i) * R + 16 * v, acc[i][v]);
   }
 
   void pack_v(int nt) {
@@ -394,21 +420,21 @@ struct Bf16Engine {
   }
 
   template <int MR, int NC>
-  void pv_kernel(int m0, int64_t c0, int npairs, const float* alpha) {
+  void pv_kernel(int m0, int64_t c0, int npairs) {
+    const int R = 16 * MV;
     __m512 acc[MR][NC];
     for (int i = 0; i < MR; ++i) {
       __m512 a = _mm512_set1_ps(alpha[m0 + i]);
       for (int j = 0; j < NC; ++j)
         acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + (m0 + i) * rp + c0 + 16 * j), a);
     }
-    const int32_t* prow[MR];
-    for (int i = 0; i < MR; ++i) prow[i] = reinterpret_cast<const int32_t*>(Pb + (m0 + i) * kTileN);
     for (int k = 0; k < npairs; ++k) {
       const uint16_t* vk = Vp + static_cast<int64_t>(k) * 2 * rp + 2 * c0;
       __m512i vb[NC];
       for (int j = 0; j < NC; ++j) vb[j] = _mm512_loadu_si512(vk + 32 * j);
+      const uint32_t* pk = PP + k * R + m0;
       for (int i = 0; i < MR; ++i) {
-        __m512bh pa = (__m512bh)_mm512_set1_epi32(prow[i][k]);
+        __m512bh pa = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pk[i]));
         for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pa, (__m512bh)vb[j]);
       }
     }
@@ -417,41 +443,76 @@ struct Bf16Engine {
   }
 
   template <int NC>
-  void pv_cols(int rows_pad, int64_t c0, int npairs, const float* alpha) {
+  void pv_cols(int rows, int64_t c0, int npairs) {
     int m0 = 0;
-    for (; m0 + 6 <= rows_pad; m0 += 6) pv_kernel<6, NC>(m0, c0, npairs, alpha);
-    switch (rows_pad - m0) {
-      case 5: pv_kernel<5, NC>(m0, c0, npairs, alpha); break;
-      case 4: pv_kernel<4, NC>(m0, c0, npairs, alpha); break;
-      case 3: pv_kernel<3, NC>(m0, c0, npairs, alpha); break;
-      case 2: pv_kernel<2, NC>(m0, c0, npairs, alpha); break;
-      case 1: pv_kernel<1, NC>(m0, c0, npairs, alpha); break;
+    for (; m0 + 6 <= rows; m0 += 6) pv_kernel<6, NC>(m0, c0, npairs);
+    switch (rows - m0) {
+      case 5: pv_kernel<5, NC>(m0, c0, npairs); break;
+      case 4: pv_kernel<4, NC>(m0, c0, npairs); break;
+      case 3: pv_kernel<3, NC>(m0, c0, npairs); break;
+      case 2: pv_kernel<2, NC>(m0, c0, npairs); break;
+      case 1: pv_kernel<1, NC>(m0, c0, npairs); break;
       default: break;
     }
   }
 
-  void pv(int rows_pad, int nt, const float* Pm, const float* alpha) {
-    const int ntp = static_cast<int>(round_up(nt, 2));
-    // probabilities -> bf16 (round to nearest even)
-    for (int m = 0; m < rows_pad; ++m) {
-      const float* src = Pm + m * kTileN;
-      uint16_t* dst = Pb + m * kTileN;
-      for (int c = 0; c < ntp; c += 32) {
-        __m512 a = _mm512_loadu_ps(src + c);
-        __m512 b = _mm512_loadu_ps(src + c + 16);
-        __m512bh h = _mm512_cvtne2ps_pbh(b, a);
-        _mm512_storeu_si512(dst + c, (__m512i)h);
+  // scores -> online softmax (rows in lanes) -> P.V for one tile.
+  void compute_tile(int rows, int nt, int64_t t0, const int64_t* lim, float sc, float* mrow,
+                    float* lrow) {
+    const int R = 16 * MV;
+    const int ntp = static_cast<int>(round_up(nt, 8));
+    for (int n0 = 0; n0 < ntp; n0 += 8) {
+      if (MV == 1) scores_kernel<8, 1>(n0);
+      else scores_kernel<4, 2>(n0), scores_kernel<4, 2>(n0 + 4);
+    }
+    const int npairs = (nt + 1) / 2;
+    const __m512 vsc = _mm512_set1_ps(sc);
+    alignas(64) static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pidx = _mm512_load_si512(pair_idx);
+    for (int v = 0; v < MV; ++v) {
+      alignas(64) int32_t limv[16];
+      for (int m = 0; m < 16; ++m)
+        limv[m] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lim[16 * v + m] - t0, 0), nt));
+      const __m512i vlim = _mm512_load_si512(limv);  // valid kv count per row in this tile
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int n = 0; n < nt; ++n) {
+        __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
+        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_mul_ps(_mm512_load_ps(St + n * R + 16 * v), vsc));
       }
+      const __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
+      const __m512 mnew = _mm512_max_ps(mold, mx);
+      // rows without a valid column keep alpha = 1 (their m / l do not change)
+      const __mmask16 any = _mm512_cmpgt_epi32_mask(vlim, _mm512_setzero_si512());
+      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any, exp512(_mm512_sub_ps(mold, mnew)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int k = 0; k < npairs; ++k) {
+        __m512 p2[2];
+        for (int e = 0; e < 2; ++e) {
+          const int n = 2 * k + e;
+          __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
+          p2[e] = _mm512_maskz_mov_ps(
+              valid, exp512(_mm512_fmsub_ps(_mm512_load_ps(St + n * R + 16 * v), vsc, mnew)));
+          sum = _mm512_add_ps(sum, p2[e]);
+        }
+        // [p(2k) rows 0..15 | p(2k+1) rows 0..15] -> per row (p(2k), p(2k+1)) bf16 pairs
+        __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p2[1], p2[0]);
+        _mm512_storeu_si512(PP + k * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
+      }
+      const __m512 lold = _mm512_loadu_ps(lrow + 16 * v);
+      _mm512_storeu_ps(lrow + 16 * v, _mm512_fmadd_ps(lold, a, sum));
+      _mm512_storeu_ps(mrow + 16 * v, _mm512_mask_mov_ps(mold, any, mnew));
+      _mm512_storeu_ps(alpha + 16 * v, a);
     }
     pack_v(nt);
-    const int npairs = ntp / 2;
     for (int64_t c0 = 0; c0 < rp; c0 += 64) {
       int nc = static_cast<int>(std::min<int64_t>(4, (rp - c0) / 16));
       switch (nc) {
-        case 4: pv_cols<4>(rows_pad, c0, npairs, alpha); break;
-        case 3: pv_cols<3>(rows_pad, c0, npairs, alpha); break;
-        case 2: pv_cols<2>(rows_pad, c0, npairs, alpha); break;
-        default: pv_cols<1>(rows_pad, c0, npairs, alpha); break;
+        case 4: pv_cols<4>(rows, c0, npairs); break;
+        case 3: pv_cols<3>(rows, c0, npairs); break;
+        case 2: pv_cols<2>(rows, c0, npairs); break;
+        default: pv_cols<1>(rows, c0, npairs); break;
       }
     }
   }
@@ -460,8 +521,8 @@ struct Bf16Engine {
 
 // ---- one work item -----------------------------------------------------------------------
 template <typename QT, class Engine>
-void run_item(const Params& P, const Item& it, Engine& E, float* S, int64_t* offs, float* mrow,
-              float* lrow, float* alpha, int64_t* lim) {
+void run_item(const Params& P, const Item& it, Engine& E, int64_t* offs, float* mrow, float* lrow,
+              int64_t* lim) {
   const int64_t i = it.req;
   const int64_t n = P.cu[i + 1] - P.cu[i];
   const int64_t L = P.kvl[i];
@@ -485,7 +546,7 @@ void run_item(const Params& P, const Item& it, Engine& E, float* S, int64_t* off
     mrow[m] = kNegInf;
     lrow[m] = 0.0f;
   }
-  E.zero_o(rows_pad);
+  E.start_item(rows_pad);
   const int64_t kend = std::min<int64_t>(it.kv1, lim_max);
   for (int64_t t0 = it.kv0; t0 < kend; t0 += kTileN) {
     const int nt = static_cast<int>(std::min<int64_t>(kTileN, kend - t0));
@@ -499,10 +560,7 @@ void run_item(const Params& P, const Item& it, Engine& E, float* S, int64_t* off
       offs[c] = row_offset(P, i, t1 + c);
       prefetch_row(P.cache + offs[c], P.row_bytes);
     }
-    E.scores(rows_pad, nt, S);
-    softmax_tile(S, rows_pad, nt, static_cast<int>(round_up(nt, 4)), lim, t0, P.score_scale, mrow,
-                 lrow, alpha);
-    E.pv(rows_pad, nt, S, alpha);
+    E.compute_tile(rows, nt, t0, lim, P.score_scale, mrow, lrow);
   }
   const int64_t r = P.r;
   for (int m = 0; m < rows; ++m) {
@@ -532,15 +590,13 @@ void run_items(const Params& P, const std::vector<Item>& items) {
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), nitems);
   auto worker = [&](int64_t, int64_t) {
     Engine E(P);
-    float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + 4 * kMaxRows);
-    float* mrow = S + kMaxRows * kTileN;
+    float* mrow = tl_scratch.ml.get<float>(2 * kMaxRows);
     float* lrow = mrow + kMaxRows;
-    float* alpha = lrow + kMaxRows;
     int64_t* scratch = tl_scratch.misc.get<int64_t>(kTileN + kMaxRows);
     int64_t* offs = scratch;
     int64_t* lim = scratch + kTileN;
     for (int64_t k; (k = next.fetch_add(1)) < nitems;)
-      run_item<QT, Engine>(P, items[k], E, S, offs, mrow, lrow, alpha, lim);
+      run_item<QT, Engine>(P, items[k], E, offs, mrow, lrow, lim);
   };
   if (nthreads <= 1) {
     worker(0, 1);
