@@ -25,7 +25,10 @@ The kernels also run on CPU tensors under ``TRITON_INTERPRET=1``, which is how t
 tests them without a GPU. The interpreter cannot ``tl.dot`` bfloat16 operands (it multiplies
 their raw bit patterns, triton-lang/triton#11584), so when interpreting, bf16 dot operands are
 widened to fp32 first; the products are identical (bf16 -> fp32 is exact) and the
-probabilities are still rounded to bf16 before ``P @ V`` as on a GPU. Under the interpreter a
+probabilities are still rounded to bf16 before ``P @ V`` as on a GPU. Its fp32 -> bf16 cast
+truncates where GPUs round to nearest even, so when interpreting the kernels round
+probabilities and bf16 outputs to the bf16 grid first (``ROUND_BF16``; compiled GPU kernels
+do not need it and do not run it). Under the interpreter a
 ``FakeTensorMode`` call allocates the outputs and launches nothing (the interpreter runs
 kernels on real data; on a GPU ``wrap_triton`` records the launch instead), and
 ``torch.compile`` of the ops needs a GPU.
@@ -262,7 +265,8 @@ def _absorbed_attention_op(
     _check_runnable(device, absorbed_attn_kernel)
 
     dot_dtype = cd
-    if hx.interpreting() and cd == torch.bfloat16:
+    round_bf16 = hx.interpreting() and cd == torch.bfloat16
+    if round_bf16:
         dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
     has_scale = kv_scale is not None
     scale = kv_scale if has_scale else lse
@@ -308,6 +312,7 @@ def _absorbed_attention_op(
         DOT_DTYPE=_TL_DTYPE[dot_dtype],
         P_DTYPE=_TL_DTYPE[cd],
         IEEE=dot_dtype == torch.float32,
+        ROUND_BF16=round_bf16,
         num_warps=4,
     )
     if num_kv_splits > 1:
@@ -332,6 +337,7 @@ def _absorbed_attention_op(
             lse.stride(1),
             BLOCK_H=merge_block_h,
             BLOCK_R=block_r,
+            ROUND_BF16=round_bf16,
             num_warps=4,
         )
     return o_lat, lse

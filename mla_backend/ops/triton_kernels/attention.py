@@ -41,6 +41,19 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _round_to_bf16_grid(x):
+    """Round finite fp32 ``x`` to the nearest bfloat16 value (ties to even), still in fp32.
+
+    Used under the interpreter only (``ROUND_BF16``): its fp32 -> bf16 cast truncates, where
+    GPUs round to nearest even; rounding first makes the cast exact, so the interpreter
+    rounds probabilities and outputs as a GPU does.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e4m3_bits_to_f32(b):
     """float8 e4m3fn bit patterns (uint8) -> float32 values, with integer ops only.
 
@@ -102,6 +115,7 @@ def absorbed_attn_kernel(
     DOT_DTYPE: tl.constexpr,  # dtype fed to tl.dot (q's dtype; fp32 under the interpreter for bf16)
     P_DTYPE: tl.constexpr,  # probabilities are rounded to q's dtype before P @ V, as on GPU
     IEEE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # interpreter, bf16: round p (and a bf16 output) to nearest even
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     # Head blocks vary fastest in launch order, so the programs that read the same latent rows
@@ -190,7 +204,9 @@ def absorbed_attn_kernel(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # fp32 row sums of the unrounded probabilities
+        if ROUND_BF16:
+            p = _round_to_bf16_grid(p)
         acc = acc * alpha[:, None] + _dot(p.to(P_DTYPE).to(DOT_DTYPE), kv, IEEE)
         m_i = m_new
 
@@ -200,6 +216,8 @@ def absorbed_attn_kernel(
     l_safe = tl.where(has_mass, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if ROUND_BF16 and out_ptr.dtype.element_ty == tl.bfloat16:  # fp32 partials stay exact
+        o = _round_to_bf16_grid(o)
 
     o_ptrs = (
         out_ptr
@@ -233,6 +251,7 @@ def merge_splits_kernel(
     stride_lh,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # interpreter, bf16 output: round to nearest even (see above)
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -271,6 +290,8 @@ def merge_splits_kernel(
     l_safe = tl.where(has_mass, l_sum, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(has_mass, m + tl.log(l_safe), float("-inf"))
+    if ROUND_BF16:
+        o = _round_to_bf16_grid(o)
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_r[None, :],
         o.to(out_ptr.dtype.element_ty),
