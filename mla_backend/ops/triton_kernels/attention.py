@@ -216,8 +216,9 @@ def absorbed_attn_kernel(
     l_safe = tl.where(has_mass, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    if ROUND_BF16 and out_ptr.dtype.element_ty == tl.bfloat16:  # fp32 partials stay exact
-        o = _round_to_bf16_grid(o)
+    if ROUND_BF16:
+        if out_ptr.dtype.element_ty == tl.bfloat16:  # fp32 split partials stay unrounded
+            o = _round_to_bf16_grid(o)
 
     o_ptrs = (
         out_ptr
