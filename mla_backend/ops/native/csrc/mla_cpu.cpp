@@ -727,9 +727,9 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
                 " new tokens");
     TORCH_CHECK(L >= n, "kv_lens[", i, "] = ", L, " is smaller than its ", n,
                 " new tokens (kv_len counts prefix + new)");
+    if (n == 0) continue;  // nothing of it is read
     TORCH_CHECK(L <= max_pages * page_size, "kv_lens[", i, "] = ", L, " needs more than the ",
                 max_pages, " pages x ", page_size, " tokens of its block_table row");
-    if (n == 0) continue;
     for (int64_t p = 0; p < ceil_div(L, page_size); ++p) {
       int64_t page = btp[i * bt.stride(0) + p];
       TORCH_CHECK(page >= 0 && page < num_pages, "block_table[", i, ", ", p, "] = ", page,
@@ -907,31 +907,33 @@ void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const a
   char* base = static_cast<char*>(kv_cache.data_ptr());
   const int64_t es = kv_cache.element_size();
   const int64_t s0 = kv_cache.stride(0) * es, s1 = kv_cache.stride(1) * es;
-  std::vector<float> row(D);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = sp[t];
-    if (slot < 0) continue;
-    char* dst = base + (slot / ps) * s0 + (slot % ps) * s1;
-    std::memcpy(row.data(), cp + t * r, r * sizeof(float));
-    if (rope) std::memcpy(row.data() + r, kp + t * rope, rope * sizeof(float));
-    if (fp8) {
-      uint8_t* d8 = reinterpret_cast<uint8_t*>(dst);
-      for (int64_t d = 0; d < D; ++d) {
-        float v = row[d] / kvs;  // same fp32 division as torch's value.float() / kv_scale
-        if (v > 448.0f) v = 448.0f;
-        else if (v < -448.0f) v = -448.0f;  // NaN passes through, like torch.clamp
-        d8[d] = c10::Float8_e4m3fn(v).x;
+  at::parallel_for(0, T, 64, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<float> row(D);
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      char* dst = base + (slot / ps) * s0 + (slot % ps) * s1;
+      std::memcpy(row.data(), cp + t * r, r * sizeof(float));
+      if (rope) std::memcpy(row.data() + r, kp + t * rope, rope * sizeof(float));
+      if (fp8) {
+        uint8_t* d8 = reinterpret_cast<uint8_t*>(dst);
+        for (int64_t d = 0; d < D; ++d) {
+          float v = row[d] / kvs;  // the same fp32 division as torch's value.float() / kv_scale
+          if (v > 448.0f) v = 448.0f;
+          else if (v < -448.0f) v = -448.0f;  // NaN passes through, like torch.clamp
+          d8[d] = c10::Float8_e4m3fn(v).x;
+        }
+      } else if (cdt == at::kBFloat16) {
+        auto* d = reinterpret_cast<c10::BFloat16*>(dst);
+        for (int64_t k = 0; k < D; ++k) d[k] = c10::BFloat16(row[k]);
+      } else if (cdt == at::kHalf) {
+        auto* d = reinterpret_cast<c10::Half*>(dst);
+        for (int64_t k = 0; k < D; ++k) d[k] = c10::Half(row[k]);
+      } else {
+        std::memcpy(dst, row.data(), D * sizeof(float));
       }
-    } else if (cdt == at::kBFloat16) {
-      auto* d = reinterpret_cast<c10::BFloat16*>(dst);
-      for (int64_t k = 0; k < D; ++k) d[k] = c10::BFloat16(row[k]);
-    } else if (cdt == at::kHalf) {
-      auto* d = reinterpret_cast<c10::Half*>(dst);
-      for (int64_t k = 0; k < D; ++k) d[k] = c10::Half(row[k]);
-    } else {
-      std::memcpy(dst, row.data(), D * sizeof(float));
     }
-  }
+  });
 }
 
 // 1 when the AVX512-BF16 engine was compiled in (bf16 q with bf16/fp8 caches use it).
