@@ -52,7 +52,7 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, P: int, scale: float,
 
 
 def _refs(case: TCase, plain_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    q = torch.cat([case.q_lat, case.q_pe], -1).cpu()
+    q = torch.cat([case.q_lat.cpu(), case.q_pe.cpu()], -1)
     outs, lses, t = [], [], 0
     for seq, P, n in zip(case.seqs, case.prefix, case.new, strict=True):
         if n:
@@ -115,7 +115,7 @@ def test_plain_reference_is_the_bar_a_bf16_score_kernel_misses() -> None:
     case.q_lat = (torch.randn(case.q_lat.shape, generator=g) * 0.6).to(torch.bfloat16)
     exact, _ = _refs(case, None)
     plain, _ = _refs(case, torch.bfloat16)
-    q = torch.cat([case.q_lat, case.q_pe], -1).cpu()
+    q = torch.cat([case.q_lat.cpu(), case.q_pe.cpu()], -1)
     outs, t = [], 0
     for seq, n in zip(case.seqs, case.new, strict=True):  # decodes: no causal mask
         kv = seq.to(torch.bfloat16)

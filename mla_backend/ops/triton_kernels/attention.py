@@ -66,8 +66,8 @@ def _e4m3_bits_to_f32(b):
     e = (b >> 3) & 0xF
     m = b & 0x7
     normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # 2^-9
-    sub = tl.where(sign != 0, -sub, sub)
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # 2^-9
+    sub = (sub | sign).to(tl.float32, bitcast=True)  # the sign bit set: -0.0 stays -0.0
     return tl.where(e == 0, sub, normal)
 
 
@@ -197,7 +197,7 @@ def absorbed_attn_kernel(
                 k_pe = tl.load(pe_ptrs, mask=pe_mask, other=0.0)
             k_pe = k_pe.to(DOT_DTYPE)
             s += _dot(q_pe, tl.trans(k_pe), IEEE)
-        s = s * qk_scale
+        s = (s * qk_scale).to(tl.float32)  # fp32 even if the scale comes in as fp64
         visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
