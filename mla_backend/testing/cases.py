@@ -110,7 +110,8 @@ def make_case(
         c = torch.randn(L, r, generator=g).to(dtype)
         kp = torch.randn(L, rope, generator=g).to(dtype)
         slots = torch.tensor(
-            [int(block_table[i, t // page_size]) * page_size + t % page_size for t in range(L)]
+            [int(block_table[i, t // page_size]) * page_size + t % page_size for t in range(L)],
+            dtype=torch.long,
         )
         # interleave padding slots that must never be written
         pad = torch.full((2,), -1)
