@@ -254,6 +254,77 @@ struct F32Engine {
 #endif
   }
 
+#ifdef MLA_AVX512
+  // 4 query rows x 4 kv rows per block, fp32 FMAs over the row, one tree reduction.
+  void scores(int rows, int nt, float* S) {
+    float* zrow = tl_scratch.zero.get<float>(D);
+    std::fill(zrow, zrow + D, 0.0f);
+    alignas(64) float tmp[16];
+    for (int m0 = 0; m0 < rows; m0 += 4) {
+      const float* q[4];
+      for (int i = 0; i < 4; ++i) q[i] = m0 + i < rows ? Q + (m0 + i) * D : zrow;
+      for (int c0 = 0; c0 < nt; c0 += 4) {
+        const float* k[4];
+        for (int j = 0; j < 4; ++j) k[j] = c0 + j < nt ? K + static_cast<int64_t>(c0 + j) * D : zrow;
+        __m512 acc[16];
+        for (int x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const int64_t left = D - d;
+          const __mmask16 msk = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+          __m512 qv[4], kv[4];
+          for (int i = 0; i < 4; ++i) qv[i] = _mm512_maskz_loadu_ps(msk, q[i] + d);
+          for (int j = 0; j < 4; ++j) kv[j] = _mm512_maskz_loadu_ps(msk, k[j] + d);
+          for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_fmadd_ps(qv[i], kv[j], acc[i * 4 + j]);
+        }
+        _mm512_store_ps(tmp, reduce16(acc));
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) S[(m0 + i) * kTileN + c0 + j] = tmp[i * 4 + j];
+      }
+    }
+  }
+
+  template <int MR>
+  void pv_kernel(int m0, int64_t c0, int nt, const float* Pm, const float* alpha) {
+    __mmask16 msk[4];
+    for (int j = 0; j < 4; ++j) {
+      int64_t left = r - (c0 + 16 * j);
+      msk[j] = left >= 16 ? 0xffff : (left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1));
+    }
+    __m512 acc[MR][4];
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(alpha[m0 + i]);
+      for (int j = 0; j < 4; ++j)
+        acc[i][j] = _mm512_mul_ps(_mm512_maskz_loadu_ps(msk[j], O + (m0 + i) * r + c0 + 16 * j), a);
+    }
+    for (int n = 0; n < nt; ++n) {
+      const float* v = K + static_cast<int64_t>(n) * D + c0;
+      __m512 vv[4];
+      for (int j = 0; j < 4; ++j) vv[j] = _mm512_maskz_loadu_ps(msk[j], v + 16 * j);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 p = _mm512_set1_ps(Pm[(m0 + i) * kTileN + n]);
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(p, vv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(O + (m0 + i) * r + c0 + 16 * j, msk[j], acc[i][j]);
+  }
+
+  void pv(int rows, int nt, const float* Pm, const float* alpha) {
+    for (int64_t c0 = 0; c0 < r; c0 += 64) {
+      int m0 = 0;
+      for (; m0 + 6 <= rows; m0 += 6) pv_kernel<6>(m0, c0, nt, Pm, alpha);
+      switch (rows - m0) {
+        case 5: pv_kernel<5>(m0, c0, nt, Pm, alpha); break;
+        case 4: pv_kernel<4>(m0, c0, nt, Pm, alpha); break;
+        case 3: pv_kernel<3>(m0, c0, nt, Pm, alpha); break;
+        case 2: pv_kernel<2>(m0, c0, nt, Pm, alpha); break;
+        case 1: pv_kernel<1>(m0, c0, nt, Pm, alpha); break;
+        default: break;
+      }
+    }
+  }
+#else
   void scores(int rows, int nt, float* S) {
     for (int m = 0; m < rows; ++m)
       for (int c = 0; c < nt; ++c) S[m * kTileN + c] = dot(Q + m * D, K + c * D, D);
@@ -274,6 +345,7 @@ struct F32Engine {
       }
     }
   }
+#endif
 };
 
 #ifdef MLA_AVX512BF16
