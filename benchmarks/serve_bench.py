@@ -10,7 +10,9 @@ native server, ``mla_absorb`` next to the engine's in-tree CPU MLA backends.
   on this CPU; its default prefill crashes on the latent pool, so, as in
   ``sglang_bench.py``, a benchmark-only handler sends every batch to its absorbed path,
   installed through a generated ``sitecustomize`` on the server's PYTHONPATH), driven by
-  ``python -m sglang.benchmark.serving`` (``sglang.bench_serving``).
+  ``python -m sglang.benchmark.serving`` (``sglang.bench_serving``; it imports HF
+  ``datasets`` at module level, which the SGLang env lacks and the random-ids dataset never
+  uses: the client gets an import-only stand-in).
 
 Model: the tiny DeepSeek-V2 with DeepSeek-V2-Lite attention dims (16 heads, latent 512 +
 rope 64, nope 128, v 128; 2 layers, hidden 256), bf16, random weights
@@ -238,10 +240,20 @@ def _parse(engine: str, out: Path) -> dict[str, float]:
     }
 
 
-def _client_env(engine: str) -> dict[str, str]:
+def _client_env(engine: str, tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     if engine == "sglang":
-        env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_STUBS), env.get("PYTHONPATH", "")])
+        # sglang.benchmark.serving imports HF ``datasets`` at module level (for its MMMU
+        # dataset); the random-ids dataset never uses it: an import-only stand-in
+        stub = tmp / "client_stubs" / "datasets"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "__init__.py").write_text(
+            "def load_dataset(*args, **kwargs):\n"
+            "    raise RuntimeError('serve_bench: HF datasets is not installed')\n"
+        )
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(SGLANG_STUBS), str(tmp / "client_stubs"), env.get("PYTHONPATH", "")]
+        )
     return env
 
 
@@ -267,18 +279,20 @@ def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace
             result["config"] = _vllm_config(port)
         # warm-up on prompts no measured point uses (seed 10**6)
         warm = tmp / f"warm_{backend}_{port}.json"
-        subprocess.run(
+        proc = subprocess.run(
             _client_cmd(engine, port, model, args.input_len, args.output_len, 2, float("inf"),
                         2, 10**6, warm),
-            env=_client_env(engine), capture_output=True, text=True, timeout=args.timeout,
-            check=True,
+            env=_client_env(engine, tmp), capture_output=True, text=True, timeout=args.timeout,
         )  # fmt: skip
+        if proc.returncode != 0:
+            err = (proc.stderr + proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"warm-up client failed ({proc.returncode}): {err}")
         for i, (name, conc, num) in enumerate(points):
             out = tmp / f"res_{backend}_{name}_{port}.json"
             proc = subprocess.run(
                 _client_cmd(engine, port, model, args.input_len, args.output_len, num,
                             args.request_rate, conc, args.seed + i, out),
-                env=_client_env(engine), capture_output=True, text=True, timeout=args.timeout,
+                env=_client_env(engine, tmp), capture_output=True, text=True, timeout=args.timeout,
             )  # fmt: skip
             if proc.returncode != 0 or not out.exists():
                 err = (proc.stderr + proc.stdout).strip().splitlines()[-3:]
