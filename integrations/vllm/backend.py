@@ -13,13 +13,21 @@ reordering by vLLM is involved.
 
 Own metadata class (vLLM's ``MLACommonMetadata`` only accepts latent widths 320/512/576):
 any dims the core accepts work. Any block size, chunked prefill and prefix caching, fp8
-latent cache (``--kv-cache-dtype fp8``), multi-token queries and ragged mixed batches.
+latent cache (``--kv-cache-dtype fp8``: per-tensor ``k_scale``; ``--kv-cache-dtype fp8_ds_mla``:
+DeepSeek's tile-scaled layout, see :class:`mla_backend.cache_layout.CacheLayout`), multi-token
+queries and ragged mixed batches.
+
+``fp8_ds_mla`` sizing: vLLM's ``MLAAttention.get_kv_cache_spec`` fixes the per-token content
+at 656 bytes (DeepSeek dims, bf16 rope) whatever the dims; :meth:`MLAAbsorbBackend.customize_spec`
+replaces it with the core layout's ``bytes_per_token`` for the model's r, rope and dtype (656
+at r 512, rope 64, bf16), so vLLM allocates ``uint8 [blocks, 1, block_size, width]`` and the
+impl views it as the core's ``[pages, page_size, width]`` ds cache (no scale: ``kv_scale=None``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -38,12 +46,32 @@ from vllm.v1.attention.backend import (
 )
 
 import mla_backend as mb
+from mla_backend.cache_layout import CacheLayout
 
 logger = logging.getLogger("vllm.mla_absorb")
 
 #: ``--kv-cache-dtype`` values this backend accepts ("auto" = the model dtype).
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_ds_mla")
+#: per-tensor fp8 (float8_e4m3fn cache, one ``k_scale``)
 _FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+#: DeepSeek's tile-scaled fp8 layout (uint8 rows, scales inside the row, rope unquantized)
+DS_MLA_CACHE_DTYPE = "fp8_ds_mla"
+
+
+def ds_mla_layout(hf_config: Any, dtype: torch.dtype) -> CacheLayout:
+    """The core's ``fp8_ds_mla`` row for a model config (r, rope) and model dtype."""
+    return CacheLayout.ds_mla(int(hf_config.kv_lora_rank), int(hf_config.qk_rope_head_dim), dtype)
+
+
+def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """Bytes one token takes in one layer's latent cache under this backend."""
+    r, rope = int(hf_config.kv_lora_rank), int(hf_config.qk_rope_head_dim)
+    if kv_cache_dtype == DS_MLA_CACHE_DTYPE:
+        return ds_mla_layout(hf_config, dtype).bytes_per_token
+    if kv_cache_dtype in _FP8_CACHE_DTYPES:
+        return r + rope
+    elem = {"bfloat16": 2, "float16": 2}.get(kv_cache_dtype, dtype.itemsize)
+    return (r + rope) * elem
 
 
 class MLAAbsorbBackend(AttentionBackend):
@@ -76,6 +104,28 @@ class MLAAbsorbBackend(AttentionBackend):
     @classmethod
     def is_mla(cls) -> bool:
         return True
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        """``fp8_ds_mla``: the per-token bytes of the core's layout for this model's dims and
+        dtype (vLLM's MLA layer hard-codes 656, right only at r 512 + rope 64 in bf16).
+
+        The model's r / rope / dtype come from the current vLLM config (set while the
+        worker builds the KV cache specs); without one the spec is left as vLLM made it and
+        the impl checks the allocated width against its layout at the first cache access."""
+        spec = super().customize_spec(spec)
+        if getattr(spec, "cache_dtype_str", None) != DS_MLA_CACHE_DTYPE:
+            return spec
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+        mc = getattr(cfg, "model_config", None)
+        if mc is None:
+            return spec
+        hf = mc.hf_text_config
+        if int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim) != spec.head_size:
+            return spec
+        return replace(spec, state_content_bytes=ds_mla_layout(hf, mc.dtype).bytes_per_token)
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
@@ -265,6 +315,13 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
                 f"head_size={head_size} != kv_lora_rank + qk_rope_head_dim = {self.dims.latent_dim}"
             )
         self.kv_b_proj = kv_b_proj
+        # fp8_ds_mla: the rope part is stored in the model dtype (set again from act_dtype
+        # in process_weights_after_loading); vLLM builds layers under the model's default dtype
+        self.ds_layout: CacheLayout | None = None
+        if kv_cache_dtype == DS_MLA_CACHE_DTYPE:
+            self.ds_layout = CacheLayout.ds_mla(
+                kv_lora_rank, qk_rope_head_dim, torch.get_default_dtype()
+            )
         self.q_pad_num_heads = None
         self.supports_quant_query_input = False
         self.attn: mb.MLAAttention | None = None
@@ -275,13 +332,30 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         (an fp8 weight is dequantized with the scale it carries), see
         :func:`mla_backend.weights_from_kv_b_proj`."""
         weights = mb.weights_from_kv_b_proj(self.kv_b_proj, self.dims, dtype=act_dtype)
+        if self.ds_layout is not None:
+            self.ds_layout = CacheLayout.ds_mla(
+                self.dims.kv_lora_rank, self.dims.qk_rope_head_dim, act_dtype
+            )
         self.attn = mb.MLAAttention(self.dims, weights, self.scale)
 
     # -- cache --------------------------------------------------------------------------
     def _cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """vLLM's cache tensor as the core's [num_pages, page_size, r + rope] latent cache."""
+        """vLLM's cache tensor as the core's [num_pages, page_size, r + rope] latent cache
+        (``fp8_ds_mla``: uint8 [num_pages, page_size, layout width], checked here: a width
+        that vLLM sized differently from the core's layout raises)."""
         if kv_cache.dim() == 4:  # [pages, 1, page_size, latent]
             kv_cache = kv_cache.squeeze(1)
+        if self.ds_layout is not None:
+            if kv_cache.dtype != torch.uint8:
+                kv_cache = kv_cache.view(torch.uint8)
+            if kv_cache.shape[-1] != self.ds_layout.width:
+                raise ValueError(
+                    f"{BACKEND_NAME}: fp8_ds_mla cache rows of {kv_cache.shape[-1]} bytes, the "
+                    f"core's layout needs {self.ds_layout.width} (r {self.dims.kv_lora_rank}, "
+                    f"rope {self.dims.qk_rope_head_dim} in {self.ds_layout.rope_dtype}); "
+                    f"vLLM sized the cache without {BACKEND_NAME}.customize_spec"
+                )
+            return kv_cache
         if self.kv_cache_dtype in _FP8_CACHE_DTYPES and kv_cache.dtype != mb.FP8_DTYPE:
             kv_cache = kv_cache.view(mb.FP8_DTYPE)
         return kv_cache

@@ -312,6 +312,7 @@ def make_tiny_deepseek_v2(
     seed: int = 0,
     init_std: float = 0.08,
     dtype: str = "bfloat16",
+    kv_a_norm_span: tuple[float, float] | None = None,
 ) -> Path:
     """Write a tiny random DeepSeek-V2 model folder at ``path`` and return it.
 
@@ -323,6 +324,11 @@ def make_tiny_deepseek_v2(
     config as is (e.g. a yarn dict). ``moe=True`` makes layer 0 dense and every later layer
     a routed-MoE layer with ``n_routed_experts`` experts (top ``num_experts_per_tok``,
     softmax gating) plus ``n_shared_experts`` shared experts.
+
+    ``kv_a_norm_span=(lo, hi)``: every layer's ``kv_a_layernorm`` gain is ``r`` values
+    log-spaced from ``lo`` to ``hi``, in a random channel order (seeded), instead of ~1:
+    cached latents whose magnitudes vary by ``hi / lo`` across channels (stresses a
+    per-tensor fp8 cache). Weights other than those gains are unchanged.
     """
     import torch
     from safetensors.torch import save_file
@@ -373,7 +379,17 @@ def make_tiny_deepseek_v2(
         init_std=init_std,
         dtype=dtype,
     )
-    weights = {k: t.to(torch_dtype).contiguous() for k, t in _weights(cfg, seed, init_std).items()}
+    raw = _weights(cfg, seed, init_std)
+    if kv_a_norm_span is not None:
+        lo, hi = (float(x) for x in kv_a_norm_span)
+        if not 0 < lo <= hi:
+            raise ValueError(f"kv_a_norm_span={kv_a_norm_span} must satisfy 0 < lo <= hi")
+        gen = torch.Generator().manual_seed(seed + 7919)
+        for i in range(num_layers):
+            gains = torch.logspace(math.log10(lo), math.log10(hi), kv_lora_rank)
+            perm = torch.randperm(kv_lora_rank, generator=gen)
+            raw[f"model.layers.{i}.self_attn.kv_a_layernorm.weight"] = gains[perm]
+    weights = {k: t.to(torch_dtype).contiguous() for k, t in raw.items()}
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

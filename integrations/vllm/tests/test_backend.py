@@ -26,7 +26,8 @@ from mla_backend_integrations.vllm.backend import (
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 import mla_backend as mb
-from mla_backend.testing.cases import make_case
+from mla_backend.cache_layout import CacheLayout
+from mla_backend.testing.cases import ds_mla_dequantized, make_case
 
 DIMS = {
     # MLADims(heads, r, nope, rope, v)
@@ -122,10 +123,16 @@ def _run_case(
             k_pe[i][:shared_prefix] = k_pe[0][:shared_prefix]
     impl = _impl(dims, c.kv_b, dtype, kv_cache_dtype)
     fp8 = kv_cache_dtype == "fp8"
+    ds = kv_cache_dtype == "fp8_ds_mla"
     # vLLM allocates an fp8 cache as raw bytes (the impl views it as float8_e4m3fn); never
-    # written rows hold NaN (0x7f is NaN in e4m3fn)
+    # written rows hold NaN (0x7f is NaN in e4m3fn). fp8_ds_mla: uint8 rows of the core's
+    # layout width, in vLLM's 4-D [blocks, 1, block_size, bytes] shape; 0xFF = NaN values
+    # and NaN scales
     shape = (c.kv_cache.shape[0], page, r + rope)
-    if fp8:
+    if ds:
+        width = CacheLayout.ds_mla(r, rope, dtype).bytes_per_token
+        cache = torch.full((shape[0], 1, page, width), 0xFF, dtype=torch.uint8)
+    elif fp8:
         cache = torch.full(shape, 0x7F, dtype=torch.uint8)
     else:
         cache = torch.full(shape, float("nan"), dtype=dtype)
@@ -188,6 +195,9 @@ def _run_case(
 
         c_kv = [roundtrip(x) for x in c_kv]
         k_pe = [roundtrip(x) for x in k_pe]
+    if ds:  # per-token, per-128-tile scales computed independently of the core; rope as is
+        c_kv = [ds_mla_dequantized(x) for x in c_kv]
+        k_pe = [x.float() for x in k_pe]
     c.c_kv, c.k_pe = c_kv, k_pe
     return out[:T].float().view(T, H, v), c.oracle((nope + rope) ** -0.5)
 
@@ -234,6 +244,102 @@ def test_fp8_cache(case: str, policy: str, kv_scale: float) -> None:
     # oracle sees the fp8-rounded latents; the residual error is the bf16 query/compute
     out, ref = _run_case("deepseek", case, torch.bfloat16, "fp8", policy, seed=5, kv_scale=kv_scale)
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize(
+    ("dims_name", "case", "policy", "dtype"),
+    [
+        ("deepseek", "decode", "absorb", torch.bfloat16),
+        ("deepseek", "mixed", "absorb", torch.bfloat16),
+        ("deepseek", "mixed", "normal", torch.bfloat16),
+        ("deepseek", "chunked_prefill", "cost", torch.bfloat16),
+        ("deepseek", "spec_verify", "cost", torch.bfloat16),
+        ("odd", "mixed", "cost", torch.float32),  # r 96: one partial tile; rope in fp32
+        ("odd", "prefill", "normal", torch.float32),
+    ],
+)
+def test_fp8_ds_mla_cache(dims_name: str, case: str, policy: str, dtype: torch.dtype) -> None:
+    # oracle on the dequantized cache: each token's 128-value tiles times their own scale
+    out, ref = _run_case(dims_name, case, dtype, "fp8_ds_mla", policy, seed=13)
+    tol = 5e-2 if dtype == torch.bfloat16 else 2e-4
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_fp8_ds_mla_block_sizes_and_prefix_hit(page: int) -> None:
+    out, ref = _run_case(
+        "deepseek",
+        "mixed",
+        torch.bfloat16,
+        "fp8_ds_mla",
+        "cost",
+        seed=17,
+        page=page,
+        shared_prefix=64,
+    )
+    torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+def test_fp8_ds_mla_impl_writes_the_core_layout_and_rejects_a_wrong_width() -> None:
+    d = DIMS["deepseek"]
+    kv_b = torch.randn(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank)
+    impl = _impl(d, kv_b, torch.bfloat16, "fp8_ds_mla")
+    layout = impl.ds_layout
+    assert layout is not None and layout.bytes_per_token == 656
+    assert impl._kv_scale(torch.tensor(0.5)) is None  # no per-tensor scale for this layout
+    c_kv = (torch.randn(5, 512) * torch.logspace(-2, 1, 5)[:, None]).to(torch.bfloat16)
+    k_pe = torch.randn(5, 64).to(torch.bfloat16)
+    cache = torch.zeros(2, 1, 4, 656, dtype=torch.uint8)
+    impl.do_kv_cache_update(
+        c_kv, k_pe.unsqueeze(1), cache, torch.tensor([4, 5, 6, 7, 0]), "fp8_ds_mla", None
+    )
+    rows = cache.view(8, 656)[[4, 5, 6, 7, 0]]
+    assert torch.equal(rows, layout.pack(c_kv, k_pe))
+    back = layout.unpack(rows, torch.float32)
+    torch.testing.assert_close(back[:, :512], ds_mla_dequantized(c_kv), atol=0, rtol=0)
+    assert torch.equal(back[:, 512:], k_pe.float())
+    with pytest.raises(ValueError, match="656"):
+        impl.do_kv_cache_update(
+            c_kv,
+            k_pe.unsqueeze(1),
+            torch.zeros(2, 1, 4, 576, dtype=torch.uint8),
+            torch.arange(5),
+            "fp8_ds_mla",
+            None,
+        )
+
+
+@pytest.mark.parametrize(
+    ("r", "rope", "dtype", "want"),
+    [(512, 64, torch.bfloat16, 656), (512, 64, torch.float32, 784), (96, 32, torch.float32, 228)],
+)
+def test_fp8_ds_mla_spec_is_sized_by_the_core_layout(monkeypatch, r, rope, dtype, want) -> None:
+    """vLLM's MLA layer asks for 656 B per token whatever the dims; the backend's
+    customize_spec makes it the core layout's bytes for the model's r, rope and dtype."""
+    import vllm.config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    hf = SimpleNamespace(kv_lora_rank=r, qk_rope_head_dim=rope)
+    cfg = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf, dtype=dtype))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: cfg)
+
+    def spec(cache_dtype: str, content: int | None) -> MLAAttentionSpec:
+        return MLAAttentionSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=r + rope,
+            dtype=torch.uint8 if cache_dtype == "fp8_ds_mla" else dtype,
+            cache_dtype_str=cache_dtype,
+            kv_quant_mode=get_kv_quant_mode(cache_dtype),
+            state_content_bytes=content,
+        )
+
+    got = MLAAbsorbBackend.customize_spec(spec("fp8_ds_mla", 656))
+    assert got.state_content_size_bytes == want == CacheLayout.ds_mla(r, rope, dtype).width
+    assert got.page_size_bytes == 16 * want
+    plain = spec("auto", None)
+    assert MLAAbsorbBackend.customize_spec(plain) == plain
+    assert MLAAbsorbBackend.supports_kv_cache_dtype("fp8_ds_mla")
 
 
 def test_phase_mapping() -> None:
