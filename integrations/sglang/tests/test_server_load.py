@@ -13,6 +13,22 @@ safetensors, teacher-forced along the server's tokens: each token is transformer
 given the same prefix (the sequence is its greedy continuation; a near-tie within TIE_NATS
 counts as either), chosen-token logprobs within LOGPROB_ATOL where the server returns them.
 
+Tests (in this order; the last one ends the server):
+
+* ``test_concurrent_load_matches_transformers``: 200 requests at once: /generate plain
+  (logprobs) and streamed, OpenAI /v1/completions plain (logprobs) and streamed, streams the
+  client drops after the first chunk (both endpoints), streams aborted via ``/abort_request``
+  (``finish_reason`` abort), 40 requests sharing four 256-token prefixes, 7 bad requests
+  (each a 400) and one with an unknown model name. Every completed request (and what each
+  dropped/aborted stream received) is transformers' greedy continuation; radix hits happened.
+* ``test_dropped_and_aborted_streams_stop``: 1500-token streams dropped / aborted after the
+  first chunk no longer run (a probe's prefill log line shows ``#running-req: 0``).
+* ``test_bad_requests_get_400``, ``test_openai_unknown_model_is_served_anyway``,
+  ``test_long_context_near_limit`` (2032 + 8 tokens of the 2048 limit, then a 2000-token
+  radix hit through the OpenAI endpoint), ``test_server_answers_correctly_afterwards``.
+
+Measured: ~60 s on an idle 2-core machine (server start ~40 s), ~5 min under heavy load.
+
 Engine behaviour found here (SGLang 0.5.23, CPU), asserted narrowly and documented:
 
 * a ``/generate`` request whose ``input_ids`` hold an id >= vocab_size is not validated (only
