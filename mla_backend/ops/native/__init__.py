@@ -51,20 +51,34 @@ def _build() -> None:
 
     cpp_extension.verify_ninja_availability()
     # the sources' hash is part of torch's cache key, but a header change alone is not:
-    # fold the header text into the extension name's version through extra_cflags.
+    # the header text goes into the extension name.
     import hashlib
 
     h = hashlib.sha1()
     for name in _SOURCES + _HEADERS:
         h.update((_CSRC / name).read_bytes())
-    cpp_extension.load(
-        name=f"{_EXT_NAME}_{h.hexdigest()[:12]}",
-        sources=[str(_CSRC / s) for s in _SOURCES],
-        extra_cflags=_FLAGS,
-        extra_include_paths=[str(_CSRC)],
-        is_python_module=False,
-        verbose=os.environ.get("MLA_BACKEND_NATIVE_VERBOSE", "") == "1",
-    )
+    # at::parallel_for is inline OpenMP: without -fopenmp the kernels would run on one thread.
+    # (torch's wheel ships libgomp.so.1, which the extension then shares.) A compiler without
+    # OpenMP still gets a working, single-threaded build.
+    last: Exception | None = None
+    for omp in (True, False):
+        flags = _FLAGS + (["-fopenmp"] if omp else [])
+        try:
+            cpp_extension.load(
+                name=f"{_EXT_NAME}_{h.hexdigest()[:12]}{'' if omp else '_serial'}",
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"] if omp else [],
+                extra_include_paths=[str(_CSRC)],
+                is_python_module=False,
+                verbose=os.environ.get("MLA_BACKEND_NATIVE_VERBOSE", "") == "1",
+            )
+            _state["openmp"] = omp
+            break
+        except Exception as e:  # retry without OpenMP, then give up
+            last = e
+    else:
+        raise last  # type: ignore[misc]
     _register_fakes()
 
 
