@@ -56,6 +56,9 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "
 _FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 #: DeepSeek's tile-scaled fp8 layout (uint8 rows, scales inside the row, rope unquantized)
 DS_MLA_CACHE_DTYPE = "fp8_ds_mla"
+#: fp8_ds_mla layouts of the MLA layers built in this process, by r + rope (vLLM's spec
+#: ``head_size``): what :meth:`MLAAbsorbBackend.customize_spec` sizes the cache with
+_DS_MLA_LAYOUTS: dict[int, CacheLayout] = {}
 
 
 def ds_mla_layout(hf_config: Any, dtype: torch.dtype) -> CacheLayout:
@@ -110,22 +113,27 @@ class MLAAbsorbBackend(AttentionBackend):
         """``fp8_ds_mla``: the per-token bytes of the core's layout for this model's dims and
         dtype (vLLM's MLA layer hard-codes 656, right only at r 512 + rope 64 in bf16).
 
-        The model's r / rope / dtype come from the current vLLM config (set while the
-        worker builds the KV cache specs); without one the spec is left as vLLM made it and
-        the impl checks the allocated width against its layout at the first cache access."""
+        vLLM calls this with the layer's spec only (``head_size`` = r + rope, dtype uint8)
+        and, on the CPU worker, outside any current-config context. The layout comes from
+        the impls built in this process (:data:`_DS_MLA_LAYOUTS`, registered by each
+        ``MLAAbsorbImpl`` when its layer is built and again when its weights are loaded, both
+        before vLLM asks for the KV cache specs), else from the current vLLM config; with
+        neither the spec is left as vLLM made it and the impl's width check raises at the
+        first cache access."""
         spec = super().customize_spec(spec)
         if getattr(spec, "cache_dtype_str", None) != DS_MLA_CACHE_DTYPE:
             return spec
-        from vllm.config import get_current_vllm_config_or_none
+        layout = _DS_MLA_LAYOUTS.get(int(spec.head_size))
+        if layout is None:
+            from vllm.config import get_current_vllm_config_or_none
 
-        cfg = get_current_vllm_config_or_none()
-        mc = getattr(cfg, "model_config", None)
-        if mc is None:
-            return spec
-        hf = mc.hf_text_config
-        if int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim) != spec.head_size:
-            return spec
-        return replace(spec, state_content_bytes=ds_mla_layout(hf, mc.dtype).bytes_per_token)
+            mc = getattr(get_current_vllm_config_or_none(), "model_config", None)
+            if mc is None:
+                return spec
+            layout = ds_mla_layout(mc.hf_text_config, mc.dtype)
+            if layout.kv_lora_rank + layout.rope != spec.head_size:
+                return spec
+        return replace(spec, state_content_bytes=layout.bytes_per_token)
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:
@@ -322,6 +330,7 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
             self.ds_layout = CacheLayout.ds_mla(
                 kv_lora_rank, qk_rope_head_dim, torch.get_default_dtype()
             )
+            _DS_MLA_LAYOUTS[kv_lora_rank + qk_rope_head_dim] = self.ds_layout
         self.q_pad_num_heads = None
         self.supports_quant_query_input = False
         self.attn: mb.MLAAttention | None = None
@@ -336,6 +345,7 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
             self.ds_layout = CacheLayout.ds_mla(
                 self.dims.kv_lora_rank, self.dims.qk_rope_head_dim, act_dtype
             )
+            _DS_MLA_LAYOUTS[self.dims.latent_dim] = self.ds_layout
         self.attn = mb.MLAAttention(self.dims, weights, self.scale)
 
     # -- cache --------------------------------------------------------------------------

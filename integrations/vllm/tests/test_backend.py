@@ -309,19 +309,31 @@ def test_fp8_ds_mla_impl_writes_the_core_layout_and_rejects_a_wrong_width() -> N
         )
 
 
+@pytest.mark.parametrize("source", ["impl", "config"])
 @pytest.mark.parametrize(
     ("r", "rope", "dtype", "want"),
     [(512, 64, torch.bfloat16, 656), (512, 64, torch.float32, 784), (96, 32, torch.float32, 228)],
 )
-def test_fp8_ds_mla_spec_is_sized_by_the_core_layout(monkeypatch, r, rope, dtype, want) -> None:
+def test_fp8_ds_mla_spec_is_sized_by_the_core_layout(
+    monkeypatch, source, r, rope, dtype, want
+) -> None:
     """vLLM's MLA layer asks for 656 B per token whatever the dims; the backend's
-    customize_spec makes it the core layout's bytes for the model's r, rope and dtype."""
+    customize_spec makes it the core layout's bytes for the model's r, rope and dtype, from
+    the impl built in this process (the engine's case: no current config on the CPU worker)
+    or else the current vLLM config."""
     import vllm.config
+    from mla_backend_integrations.vllm import backend
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
-    hf = SimpleNamespace(kv_lora_rank=r, qk_rope_head_dim=rope)
-    cfg = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf, dtype=dtype))
-    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: cfg)
+    monkeypatch.setattr(backend, "_DS_MLA_LAYOUTS", {})
+    if source == "impl":
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: None)
+        d = mb.MLADims(4, r, 32, rope, 32)
+        _impl(d, torch.randn(4 * 64, r), dtype, "fp8_ds_mla")
+    else:
+        hf = SimpleNamespace(kv_lora_rank=r, qk_rope_head_dim=rope)
+        cfg = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf, dtype=dtype))
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: cfg)
 
     def spec(cache_dtype: str, content: int | None) -> MLAAttentionSpec:
         return MLAAttentionSpec(
