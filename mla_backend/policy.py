@@ -61,6 +61,16 @@ CPU_PROFILE = DeviceProfile(
     attn_efficiency=0.3,
     cache_bytes=32 * 2**20,
 )
+# The same CPUs with the native C++ absorbed kernels (mla_backend/ops/native): the absorbed
+# attention runs near the machine's peak (fitted to benchmarks/mla_policy_bench.py, see
+# benchmarks/results/mla_policy-latest.md).
+CPU_NATIVE_PROFILE = DeviceProfile(
+    peak_flops=0.6e12,
+    bandwidth=7.8e9,
+    absorbed_efficiency=2.0,
+    attn_efficiency=0.3,
+    cache_bytes=32 * 2**20,
+)
 # H800-class GPU (FlashMLA's published figures); unmeasured by us.
 GPU_PROFILE = DeviceProfile(
     peak_flops=660e12,
@@ -177,13 +187,22 @@ class Policy:
             f"Policy(mode={self.mode!r}, chunked_prefix_threshold={self.chunked_prefix_threshold})"
         )
 
-    def _profile(self, device_type: str) -> DeviceProfile:
+    def _profile(self, device_type: str, impl: str) -> DeviceProfile:
+        """The policy's own profile, else the measured one of the device and kernels."""
         if self.profile is not None:
             return self.profile
-        return CPU_PROFILE if device_type == "cpu" else GPU_PROFILE
+        if device_type != "cpu":
+            return GPU_PROFILE
+        return CPU_NATIVE_PROFILE if impl == "native" else CPU_PROFILE
 
     def request_uses_absorbed(
-        self, dims: MLADims, prefix: int, new: int, phase: Phase, device_type: str = "cpu"
+        self,
+        dims: MLADims,
+        prefix: int,
+        new: int,
+        phase: Phase,
+        device_type: str = "cpu",
+        impl: str = "torch",
     ) -> bool:
         """Per-request decision for ``cost``/``absorb``/``normal`` modes."""
         if self.mode == "absorb":
@@ -192,10 +211,12 @@ class Policy:
             return False
         if new <= 1 or phase.speculative:
             return True
-        prof = self._profile(device_type)
+        prof = self._profile(device_type, impl)
         return absorbed_cost(dims, prefix, new, prof) <= normal_cost(dims, prefix, new, prof)
 
-    def batch_uses_normal(self, batch: MLABatch, dims: MLADims, device_type: str = "cpu") -> bool:
+    def batch_uses_normal(
+        self, batch: MLABatch, dims: MLADims, device_type: str = "cpu", impl: str = "torch"
+    ) -> bool:
         """The per-batch ``no_absorb()`` answer: True if the whole batch should go normal."""
         if batch.num_reqs == 0 or batch.phase is Phase.IDLE:
             return False
@@ -208,7 +229,7 @@ class Policy:
             return self.mode == "normal"
         if batch.phase.speculative or batch.phase is Phase.DECODE:
             return False
-        prof = self._profile(device_type)
+        prof = self._profile(device_type, impl)
         a = sum(
             absorbed_cost(dims, p, n, prof)
             for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
@@ -219,15 +240,18 @@ class Policy:
         )
         return m < a
 
-    def choose(self, batch: MLABatch, dims: MLADims, device_type: str = "cpu") -> PathChoice:
-        """Per-request decision (``sglang`` mode decides for the whole batch)."""
+    def choose(
+        self, batch: MLABatch, dims: MLADims, device_type: str = "cpu", impl: str = "torch"
+    ) -> PathChoice:
+        """Per-request decision (``sglang`` mode decides for the whole batch). ``impl`` names
+        the kernel implementation (the plan's), whose measured profile prices the paths."""
         if self.mode == "sglang":
-            normal = self.batch_uses_normal(batch, dims, device_type)
+            normal = self.batch_uses_normal(batch, dims, device_type, impl)
             choice = PathChoice([not normal] * batch.num_reqs)
         else:
             choice = PathChoice(
                 [
-                    self.request_uses_absorbed(dims, p, n, batch.phase, device_type)
+                    self.request_uses_absorbed(dims, p, n, batch.phase, device_type, impl)
                     for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
                 ]
             )

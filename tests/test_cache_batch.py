@@ -74,7 +74,7 @@ def test_plan_parts_and_rows() -> None:
     d = mb.MLADims(2, 8, 4, 2, 4)
 
     class Split(mb.Policy):
-        def choose(self, batch, dims, device_type="cpu"):
+        def choose(self, batch, dims, device_type="cpu", impl="torch"):
             return mb.PathChoice([False, True, True])
 
     p = mb.plan(b, d, Split(), impl="torch")
