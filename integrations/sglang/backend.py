@@ -23,6 +23,16 @@ The pool's buffer ``[num_slots, 1, r+rope]`` is viewed as the core's paged
 cache ``[num_slots // page_size, page_size, r+rope]``; fp8 (e4m3) pools store unscaled values
 (SGLang's MLA pool writes without a scale), so ``kv_scale`` is None.
 
+``fp8_ds_mla`` rows (DeepSeek's tile-scaled layout, :class:`mla_backend.cache_layout.CacheLayout`):
+served when the pool holds them, i.e. an ``MLATokenToKVPool`` in its DSA fp8 mode
+(``use_dsa=True`` with ``override_kv_cache_dim`` = the row width: 656 B at r 512, rope 64,
+bf16; ``dsa_kv_cache_store_fp8``), whose rows are the same bytes: e4m3 c_kv, one float32
+scale per 128 values, bf16 k_pe. Its uint8 storage is viewed as the core's uint8
+``[pages, page_size, width]`` cache. SGLang 0.5.23 builds that pool only for DSA (NSA) models,
+and on CPU refuses any fp8 KV cache for MLA models before a backend is built
+(``KVCacheConfigurator.configure``: "CPU FP8 KV cache is only supported for MHA."), so this is
+reachable below the server only (tests/test_ds_mla.py).
+
 Unsupported settings raise ``ValueError`` at start-up (backend construction) naming the value.
 """
 
@@ -40,6 +50,7 @@ from mla_backend_integrations.sglang.batch import build_mla_batch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 import mla_backend as mb
+from mla_backend.cache_layout import CacheLayout
 
 logger = logging.getLogger("mla_backend.sglang")
 
@@ -104,11 +115,25 @@ class MLAAbsorbBackend(AttentionBackend):
                 f"KV pool {pool_cls} is not supported; mla_absorb reads SGLang's plain "
                 "MLATokenToKVPool (no DSA/NSA, FP4 or unified hybrid pools)"
             )
-        if getattr(self.token_to_kv_pool, "kv_cache_dim", None) != (
-            self.kv_lora_rank + self.qk_rope_head_dim
-        ):
+        #: the core's fp8_ds_mla row when the pool stores DeepSeek's tile-scaled rows
+        self.ds_layout: CacheLayout | None = None
+        pool_dim = getattr(self.token_to_kv_pool, "kv_cache_dim", None)
+        if getattr(self.token_to_kv_pool, "dsa_kv_cache_store_fp8", False):
+            ds = CacheLayout.ds_mla(
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                self.data_type if self.data_type in _MODEL_DTYPES else torch.bfloat16,
+            )
+            if pool_dim != ds.width:
+                _fail(
+                    f"tile-scaled fp8 pool rows of {pool_dim} bytes; the core's fp8_ds_mla "
+                    f"row is {ds.width} bytes (r {self.kv_lora_rank}, rope "
+                    f"{self.qk_rope_head_dim} in the model dtype {ds.rope_dtype})"
+                )
+            self.ds_layout = ds
+        elif pool_dim != self.kv_lora_rank + self.qk_rope_head_dim:
             _fail(
-                f"pool row width {getattr(self.token_to_kv_pool, 'kv_cache_dim', None)} != "
+                f"pool row width {pool_dim} != "
                 f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim}"
             )
         translator = getattr(model_runner, "kv_index_translator", None)
@@ -176,8 +201,11 @@ class MLAAbsorbBackend(AttentionBackend):
         return self.forward_metadata.plan
 
     def paged_cache(self, layer_id: int) -> torch.Tensor:
-        """The pool's buffer of ``layer_id`` as the core's [num_pages, page_size, r+rope]."""
+        """The pool's buffer of ``layer_id`` as the core's [num_pages, page_size, r+rope]
+        (``fp8_ds_mla`` pools: uint8 [num_pages, page_size, row bytes])."""
         buf = self.token_to_kv_pool.get_key_buffer(layer_id)  # [slots, 1, D], dtype view
+        if self.ds_layout is not None:
+            buf = buf.view(torch.uint8)
         slots, D = buf.shape[0], buf.shape[-1]
         if slots % self.page_size:
             _fail(f"pool size {slots} is not a multiple of page size {self.page_size}")
