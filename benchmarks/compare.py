@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 _PREFIX = "RESULT:"
+_ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -45,15 +46,46 @@ class RunSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def kv_bytes_per_token(model_dir: str | Path, kv_cache_dtype: str = "auto") -> int:
-    """Latent KV-cache bytes per token over all layers: layers * (r + rope) * element size."""
+def kv_bytes_per_token(
+    model_dir: str | Path, kv_cache_dtype: str = "auto", model_dtype: str | None = None
+) -> int:
+    """Latent KV-cache bytes per token over all layers, from the config: layers * row bytes,
+    a row being (r + rope) elements of the cache dtype, or for ``fp8_ds_mla`` the core's
+    tile-scaled row (r e4m3 bytes + 4 per 128-value tile + rope in the model dtype: 656 at
+    r 512, rope 64, bf16)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    elem = 1 if kv_cache_dtype.startswith("fp8") else {"float32": 4}.get(cfg["torch_dtype"], 2)
-    return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * elem
+    r, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    model_elem = _ELEM.get(model_dtype or "", _ELEM.get(cfg.get("torch_dtype") or "", 2))
+    if kv_cache_dtype == "fp8_ds_mla":
+        from mla_backend.cache_layout import CacheLayout
+
+        import torch
+
+        rope_dtype = {4: torch.float32, 2: torch.bfloat16}[model_elem]
+        row = CacheLayout.ds_mla(r, rope, rope_dtype).bytes_per_token
+    elif kv_cache_dtype.startswith("fp8"):
+        row = r + rope
+    else:
+        row = (r + rope) * {"bfloat16": 2, "float16": 2}.get(kv_cache_dtype, model_elem)
+    return cfg["num_hidden_layers"] * row
 
 
-
-_ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
+def engine_kv_bytes_per_token(llm: Any) -> int | None:
+    """The KV bytes per token (all layers) the engine actually allocated, on vLLM CPU: the
+    worker fills ``VLLM_CPU_KVCACHE_SPACE`` GiB with ``num_gpu_blocks`` blocks of
+    ``block_size`` tokens (each block's size is the layers' KV spec page size, after the
+    backend's ``customize_spec``). None elsewhere (GPU memory is sized differently)."""
+    cfg = llm.llm_engine.vllm_config
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    blocks = cfg.cache_config.num_gpu_blocks
+    if space is None or not blocks or cfg.device_config.device_type != "cpu":
+        return None
+    space_b = int(float(space) * 2**30)
+    per_block = space_b / blocks
+    per_token = round(per_block / cfg.cache_config.block_size)
+    if space_b // (per_token * cfg.cache_config.block_size) != blocks:
+        return None  # not the CPU worker's simple division: do not guess
+    return per_token
 
 
 def attn_weight_extra_bytes(model_dir: str | Path, backend: str, dtype: str) -> int:
@@ -95,6 +127,12 @@ def _child(spec: RunSpec) -> dict[str, Any]:
     llm = LLM(spec.model, attention_backend=spec.backend, seed=0, **kwargs)
     startup = time.perf_counter() - t0
     cfg = llm.llm_engine.vllm_config
+    kv_measured = engine_kv_bytes_per_token(llm)
+    kv_expected = kv_bytes_per_token(
+        spec.model,
+        str(cfg.cache_config.cache_dtype),
+        str(cfg.model_config.dtype).removeprefix("torch."),
+    )
     result: dict[str, Any] = {
         "backend": spec.backend,
         "selected": cfg.attention_config.backend.name if cfg.attention_config.backend else None,
@@ -102,7 +140,11 @@ def _child(spec: RunSpec) -> dict[str, Any]:
         "block_size": cfg.cache_config.block_size,
         "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
         "prefix_caching": cfg.cache_config.enable_prefix_caching,
-        "kv_bytes_per_token": kv_bytes_per_token(spec.model, str(cfg.cache_config.cache_dtype)),
+        "kv_cache_dtype": str(cfg.cache_config.cache_dtype),
+        # what the engine allocated (vLLM CPU), else the figure from the config
+        "kv_bytes_per_token": kv_measured if kv_measured is not None else kv_expected,
+        "kv_bytes_per_token_source": "engine" if kv_measured is not None else "config",
+        "kv_bytes_per_token_expected": kv_expected,
         "attn_weight_extra_bytes_per_layer": attn_weight_extra_bytes(
             spec.model,
             cfg.attention_config.backend.name if cfg.attention_config.backend else spec.backend,
