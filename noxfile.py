@@ -63,7 +63,9 @@ def _vllm_env(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(VLLM)
     # PyPI's torchvision/torchaudio/torchcodec do not match CPU torch and break imports.
-    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.run_install(
+        "python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"
+    )
     session.install("-r", "integrations/vllm/test-requirements.txt")
     session.install("ninja")  # builds the native CPU kernels on first use
     session.install("--no-deps", "-e", ".")
