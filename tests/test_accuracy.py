@@ -16,6 +16,7 @@ from conftest import make_case
 
 import mla_backend as mb
 from mla_backend.ops import impl_name
+from mla_backend.testing.reference import plain_attention
 
 IMPLS = sorted({"torch", impl_name(torch.device("cpu"), "native")})
 
@@ -24,35 +25,13 @@ def _dims(H: int) -> mb.MLADims:
     return mb.MLADims(H, 512, 128, 64, 128)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int, scale: float,
-            plain_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [n, H, Dk], k [L, H or 1, Dk], v [L, H or 1, Dv]; query j sees keys <= P + j.
-    plain_dtype None: fp64 throughout. Else: fp32 scores/softmax, P rounded to plain_dtype,
-    fp32 P·V, output rounded to plain_dtype."""
-    n, L = q.shape[0], k.shape[0]
-    work = torch.float64 if plain_dtype is None else torch.float32
-    s = torch.einsum("nhd,lhd->hnl", q.to(work), k.to(work).expand(L, q.shape[1], -1)) * scale
-    mask = torch.arange(L)[None, :] > (P + torch.arange(n))[:, None]
-    s = s.masked_fill(mask[None], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    if plain_dtype is not None:
-        p = p.to(plain_dtype).to(work)
-    o = torch.einsum("hnl,lhd->nhd", p, v.to(work).expand(L, q.shape[1], -1)) / l.permute(1, 0, 2)
-    lse = (m + torch.log(l)).squeeze(-1).t()
-    if plain_dtype is not None:
-        o = o.to(plain_dtype)
-    return o.double(), lse.double()
-
-
 def _absorbed_refs(case, q_lat, scale, plain_dtype):
     outs, lses, t = [], [], 0
     r = case.dims.kv_lora_rank
     for c, kp, P, n in zip(case.c_kv, case.k_pe, case.batch.prefix_lens, case.batch.new_lens):
         q = torch.cat([q_lat[t : t + n], case.q_pe[t : t + n]], -1)
         kv = torch.cat([c, kp], -1)[:, None, :]  # [L, 1, r + rope] in the compute dtype
-        o, lse = _attend(q, kv, kv[..., :r], P, scale, plain_dtype)
+        o, lse = plain_attention(q, kv, kv[..., :r], P, scale, plain_dtype)
         outs.append(o)
         lses.append(lse)
         t += n
@@ -69,7 +48,7 @@ def _normal_refs(case, scale, plain_dtype):
             k_nope, v = k_nope.to(plain_dtype), v.to(plain_dtype)
         k = torch.cat([k_nope, kp[:, None, :].expand(-1, k_nope.shape[1], -1).to(k_nope)], -1)
         q = torch.cat([case.q_nope[t : t + n], case.q_pe[t : t + n]], -1)
-        o, lse = _attend(q, k, v, P, scale, plain_dtype)
+        o, lse = plain_attention(q, k, v, P, scale, plain_dtype)
         outs.append(o)
         lses.append(lse)
         t += n

@@ -116,3 +116,40 @@ def reference_mla_layer(
         q[..., :nope], q_pe, [c_kv], [k_pe], w["kv_b_proj.weight"], nope, v_head_dim, [L]
     )
     return o.reshape(L, H * v_head_dim) @ w["o_proj.weight"].T
+
+
+def plain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    scale: float,
+    plain_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of one request's new tokens, exact or as a plain low-precision
+    implementation computes it (the accuracy yardstick of issue 12).
+
+    Args:
+        q: [n, H, Dk]; k: [L, H or 1, Dk]; v: [L, H or 1, Dv] (1 = shared by all heads, MQA);
+            new token j sees keys ``<= prefix + j``.
+        plain_dtype: None: float64 throughout (the exact result). Else what engines' test
+            references do: fp32 scores and softmax from the given values, probabilities
+            rounded to ``plain_dtype`` before P·V, fp32 P·V, the output rounded once.
+    Returns:
+        (o [n, H, Dv] float64, lse [n, H] float64).
+    """
+    n, H, L = q.shape[0], q.shape[1], k.shape[0]
+    work = torch.float64 if plain_dtype is None else torch.float32
+    s = torch.einsum("nhd,lhd->hnl", q.to(work), k.to(work).expand(L, H, -1)) * scale
+    mask = torch.arange(L)[None, :] > (prefix + torch.arange(n))[:, None]
+    s = s.masked_fill(mask[None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    if plain_dtype is not None:
+        p = p.to(plain_dtype).to(work)
+    o = torch.einsum("hnl,lhd->nhd", p, v.to(work).expand(L, H, -1)) / l.permute(1, 0, 2)
+    lse = (m + torch.log(l)).squeeze(-1).t()
+    if plain_dtype is not None:
+        o = o.to(plain_dtype)
+    return o.double(), lse.double()

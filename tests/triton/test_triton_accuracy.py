@@ -25,30 +25,9 @@ triton = pytest.importorskip("triton")
 from triton_case import TCase  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
+from mla_backend.testing.reference import plain_attention  # noqa: E402
 
 R, ROPE = 512, 64
-
-
-def _attend(q: torch.Tensor, kv: torch.Tensor, P: int, scale: float,
-            plain_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [n, H, r + rope], kv [L, r + rope] (values in the cache, value = kv[:, :r]); query j
-    sees keys <= P + j. plain_dtype None: fp64 throughout. Else: fp32 scores and softmax,
-    probabilities rounded to plain_dtype, fp32 P·V, the output rounded to plain_dtype."""
-    n, L = q.shape[0], kv.shape[0]
-    work = torch.float64 if plain_dtype is None else torch.float32
-    s = torch.einsum("nhd,ld->hnl", q.to(work), kv.to(work)) * scale
-    mask = torch.arange(L)[None, :] > (P + torch.arange(n))[:, None]
-    s = s.masked_fill(mask[None], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    if plain_dtype is not None:
-        p = p.to(plain_dtype).to(work)
-    o = torch.einsum("hnl,ld->nhd", p, kv[:, :R].to(work)) / l.permute(1, 0, 2)
-    lse = (m + torch.log(l)).squeeze(-1).t()
-    if plain_dtype is not None:
-        o = o.to(plain_dtype)
-    return o.double(), lse.double()
 
 
 def _refs(case: TCase, plain_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +37,8 @@ def _refs(case: TCase, plain_dtype: torch.dtype | None) -> tuple[torch.Tensor, t
         if n:
             # the cache holds compute-dtype values: seq (float64) is exactly them
             kv = seq if plain_dtype is None else seq.to(plain_dtype)
-            o, lse = _attend(q[t : t + n], kv, P, case.scale, plain_dtype)
+            kvh = kv[:, None, :]  # one latent row shared by all heads (MQA)
+            o, lse = plain_attention(q[t : t + n], kvh, kvh[..., :R], P, case.scale, plain_dtype)
             outs.append(o)
             lses.append(lse)
         t += n
