@@ -17,7 +17,7 @@ Each shape is planned once (``mb.plan`` with ``triton_ops.Kernels()``) and timed
 per-layer call ``mb.absorbed_attention``; ``graph_ms`` times the same call replayed from a
 CUDA graph (after checking a replay reproduces the eager output bit for bit).
 
-Usage: python benchmarks/triton_gpu_bench.py [--cache fp8] [--quick] [--no-check]
+Usage: python benchmarks/triton_gpu_bench.py [--cache fp8|fp8_ds_mla] [--quick] [--no-check]
            [--no-graph] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
        TRITON_INTERPRET=1 python benchmarks/triton_gpu_bench.py --smoke   (CPU: plumbing only)
 """
@@ -74,7 +74,13 @@ def _case(
         k += n
     cache = torch.randn(sum(pages), PAGE, D, device=dev, dtype=torch.bfloat16)
     kv_scale = None
-    if cache_dtype != torch.bfloat16:
+    if cache_dtype == torch.uint8:  # fp8_ds_mla rows (656 B/token), per-token tile scales
+        from mla_backend.cache_layout import CacheLayout
+
+        layout = CacheLayout.ds_mla(R, ROPE, torch.bfloat16)
+        flat = cache.view(-1, D)
+        cache = layout.pack(flat[:, :R], flat[:, R:]).view(sum(pages), PAGE, layout.width)
+    elif cache_dtype != torch.bfloat16:
         kv_scale = torch.tensor(0.05, device=dev)
         cache = (cache.float() / kv_scale).clamp(-448, 448).to(cache_dtype)
     batch_desc = mb.MLABatch.build(
@@ -113,7 +119,8 @@ def sweep(
     import mla_backend as mb
     from mla_backend.ops import triton_ops
 
-    kv_bytes = 1 if cache_dtype == torch.float8_e4m3fn else 2
+    # bytes per cache element: fp8_ds_mla counts its whole 656-byte row over the 576 values
+    kv_bytes = {torch.float8_e4m3fn: 1, torch.uint8: 656 / 576}.get(cache_dtype, 2)
     scale = 1.0 / (192**0.5)
     worst = 0.0
     print(
@@ -168,7 +175,9 @@ def sweep(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cache", choices=["bf16", "fp8"], default="bf16", help="latent cache dtype")
+    p.add_argument(
+        "--cache", choices=["bf16", "fp8", "fp8_ds_mla"], default="bf16", help="latent cache"
+    )
     p.add_argument("--quick", action="store_true", help="only mean kv 4096, heads 16 and 128")
     p.add_argument("--no-check", action="store_true", help="skip the torch-path comparison")
     p.add_argument("--q-lens", default="1,2", help="new tokens per request (e.g. 1,2,16,64)")
@@ -190,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny shapes on CPU under TRITON_INTERPRET=1, no timing (tests the script itself)",
     )
     args = p.parse_args(argv)
-    cache_dtype = torch.float8_e4m3fn if args.cache == "fp8" else torch.bfloat16
+    cache_dtype = {"fp8": torch.float8_e4m3fn, "fp8_ds_mla": torch.uint8}.get(
+        args.cache, torch.bfloat16
+    )
     q_lens = [int(x) for x in args.q_lens.split(",") if x.strip()]
     peaks = None
     if args.peak_tflops is not None and args.peak_gbs is not None:

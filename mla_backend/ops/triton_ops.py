@@ -47,10 +47,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import triton_op, wrap_triton
 
 from .. import fp8 as _fp8
+from ..cache_layout import FP8_TILE, CacheLayout
 from ..ops.torch_ops import Kernels as TorchKernels
 from .triton_kernels import heuristics as hx
 from .triton_kernels.attention import absorbed_attn_kernel, merge_splits_kernel
-from .triton_kernels.cache_write import write_latent_kernel
+from .triton_kernels.cache_write import write_latent_ds_kernel, write_latent_kernel
 
 if TYPE_CHECKING:
     from ..dims import MLADims
@@ -61,7 +62,14 @@ _TL_DTYPE = {
     torch.float16: tl.float16,
     torch.bfloat16: tl.bfloat16,
 }
-_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, _fp8.FP8_DTYPE)
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, _fp8.FP8_DTYPE, torch.uint8)
+_FLT_MIN = float(torch.finfo(torch.float32).tiny)
+
+
+def _row_width(kv_cache: torch.Tensor, r: int, rope: int, compute_dtype: torch.dtype) -> int:
+    """The cache's expected last dimension: ``r + rope`` elements, or the ``fp8_ds_mla``
+    row's bytes for a uint8 cache (rope part in ``compute_dtype``)."""
+    return CacheLayout.of(kv_cache, r, rope, compute_dtype).width
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -120,6 +128,31 @@ def _write_latent_op(
     if _skip_launch(kv_cache):
         return
     _check_runnable(kv_cache.device, write_latent_kernel)
+    if kv_cache.dtype == torch.uint8:  # fp8_ds_mla (kv_scale is not used: per-tile scales)
+        layout = CacheLayout.ds_mla(r, rope, c_kv.dtype)
+        wrap_triton(write_latent_ds_kernel)[(T,)](
+            kv_cache,
+            c_kv,
+            k_pe,
+            slots,
+            r,
+            rope,
+            kv_cache.shape[1],
+            layout.scale_offset,
+            layout.rope_offset,
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            c_kv.stride(0),
+            k_pe.stride(0) if rope else 0,
+            NUM_TILES=hx.next_pow2(layout.tiles),
+            TILE=FP8_TILE,
+            BLOCK_ROPE=hx.dim_block(rope),
+            HAS_ROPE=rope > 0,
+            ROPE_DTYPE=_TL_DTYPE[layout.rope_dtype],
+            FP8_MAX=_fp8.FP8_MAX,
+            FLT_MIN=_FLT_MIN,
+        )
+        return
     is_fp8 = kv_cache.dtype == _fp8.FP8_DTYPE
     has_scale = is_fp8 and kv_scale is not None
     scale = kv_scale if has_scale else c_kv
@@ -159,7 +192,9 @@ def write_latent(
     ``mla_backend::triton_write_latent``.
 
     Args:
-        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn.
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, or uint8
+            [num_pages, page_size, width]: ``fp8_ds_mla`` rows (per-token, per-tile scales;
+            k_pe in c_kv's dtype; bit-identical to :meth:`CacheLayout.pack`).
         c_kv: [T, r] float; k_pe: [T, rope] float (rope may be 0).
         slot_mapping: [>= T] int32/int64; token t goes to page ``slot // page_size``, row
             ``slot % page_size``; slots < 0 are padding and are skipped.
@@ -171,12 +206,16 @@ def write_latent(
     rope = k_pe.shape[-1]
     if T == 0:
         return
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != r + rope:
-        raise ValueError(
-            f"kv_cache shape {tuple(kv_cache.shape)} does not hold rows of r + rope = {r} + {rope}"
-        )
     if kv_cache.dtype not in _CACHE_DTYPES:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported")
+    if kv_cache.dtype == torch.uint8 and c_kv.dtype not in _TL_DTYPE:
+        raise ValueError(f"c_kv dtype {c_kv.dtype} is not supported for an fp8_ds_mla cache")
+    width = _row_width(kv_cache, r, rope, c_kv.dtype)
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not hold rows of r + rope = {r} + {rope}"
+            f" ({width} elements of {kv_cache.dtype})"
+        )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
     _check_runnable(kv_cache.device, write_latent_kernel)
@@ -268,9 +307,16 @@ def _absorbed_attention_op(
     round_bf16 = hx.interpreting() and cd == torch.bfloat16
     if round_bf16:
         dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
-    has_scale = kv_scale is not None
+    ds = kv_cache.dtype == torch.uint8  # fp8_ds_mla rows
+    has_scale = kv_scale is not None and not ds
     scale = kv_scale if has_scale else lse
-    kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
+    if ds:
+        layout = CacheLayout.ds_mla(r, rope, cd)
+        scale_offset, rope_offset = layout.scale_offset, layout.rope_offset
+        kv_arg = kv_cache if fp8_bits else kv_cache.view(_fp8.FP8_DTYPE)
+    else:
+        scale_offset = rope_offset = 0
+        kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
     q_pe_arg = q_pe if rope else q_lat
 
     wrap_triton(absorbed_attn_kernel)[(num_q_blocks * num_h_blocks, num_kv_splits)](
@@ -291,6 +337,8 @@ def _absorbed_attention_op(
         rope,
         kv_cache.shape[1],
         num_kv_splits,
+        scale_offset,
+        rope_offset,
         softmax_scale * _LOG2E,
         q_lat.stride(0),
         q_lat.stride(1),
@@ -313,6 +361,9 @@ def _absorbed_attention_op(
         P_DTYPE=_TL_DTYPE[cd],
         IEEE=dot_dtype == torch.float32,
         ROUND_BF16=round_bf16,
+        DS=ds,
+        TILE=FP8_TILE,
+        ROPE_DTYPE=_TL_DTYPE[cd],
         num_warps=4,
     )
     if num_kv_splits > 1:
@@ -360,8 +411,9 @@ def absorbed_attention(
     Args:
         q_lat: [T, H, r] absorbed query (``q_nope · W_UK``), bf16/fp16/fp32.
         q_pe: [T, H, rope] rotated rope query (rope may be 0).
-        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn; holds every
-            request's ``prefix_lens[i] + new_lens[i]`` tokens.
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, or uint8
+            ``fp8_ds_mla`` rows (tile scales applied in-kernel; k_pe in q_lat's dtype; kv_scale
+            ignored); holds every request's ``prefix_lens[i] + new_lens[i]`` tokens.
         part: the plan's requests (T == part.num_tokens); its work partition gives the query
             blocks and the split count.
         softmax_scale: applied to ``q·k`` (a Python float).
@@ -374,9 +426,15 @@ def absorbed_attention(
     """
     T, H, r = q_lat.shape
     rope = q_pe.shape[-1]
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != r + rope:
+    if q_lat.dtype not in _TL_DTYPE:
+        raise ValueError(f"q_lat dtype {q_lat.dtype} is not supported")
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported")
+    width = _row_width(kv_cache, r, rope, q_lat.dtype)
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
         raise ValueError(
-            f"kv_cache row width {kv_cache.shape[-1]} != kv_lora_rank + rope = {r} + {rope}"
+            f"kv_cache row width {kv_cache.shape[-1]} != {width} (kv_lora_rank {r}, rope "
+            f"{rope}, {kv_cache.dtype} cache)"
         )
     if q_pe.shape[:2] != (T, H):
         raise ValueError(
@@ -384,10 +442,6 @@ def absorbed_attention(
         )
     if T != part.num_tokens:
         raise ValueError(f"q_lat has {T} tokens but the plan part has {part.num_tokens}")
-    if q_lat.dtype not in _TL_DTYPE:
-        raise ValueError(f"q_lat dtype {q_lat.dtype} is not supported")
-    if kv_cache.dtype not in _CACHE_DTYPES:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
     if block_n is None:
@@ -397,7 +451,10 @@ def absorbed_attention(
     device = q_lat.device
     if T and H:
         _check_runnable(device, absorbed_attn_kernel)
-    fp8_bits = kv_cache.dtype == _fp8.FP8_DTYPE and _resolve_fp8_mode(fp8_mode, device) == "bits"
+    fp8_bits = (
+        kv_cache.dtype in (_fp8.FP8_DTYPE, torch.uint8)
+        and _resolve_fp8_mode(fp8_mode, device) == "bits"
+    )
     work = part.work
     return torch.ops.mla_backend.triton_absorbed_attention(
         _last_dim_contiguous(q_lat),

@@ -19,6 +19,12 @@ writes output 0 and LSE -inf. A decode is the ``BLOCK_Q = 1`` special case of th
 ``merge_splits_kernel``: one program = one token x ``BLOCK_H`` heads; combines the splits'
 ``(o_s, lse_s)`` by ``o = sum_s exp(lse_s - lse) o_s`` with ``lse = logsumexp_s lse_s``.
 
+``fp8_ds_mla`` caches (``DS``, uint8 rows, see :mod:`mla_backend.cache_layout`): the e4m3
+bytes of ``c_kv`` are decoded (natively or with integer ops), multiplied in fp32 by their
+tile's float32 scale (loaded per row from ``scale_offset``), and rounded once to the dot dtype;
+``k_pe`` is loaded as ``ROPE_DTYPE`` from ``rope_offset``. Masked (unwritten) rows are never
+loaded, so their NaN bytes are never read.
+
 fp8 e4m3 caches: rows are converted to the dot dtype unscaled (exact for e4m3 -> bf16/fp16)
 and the per-tensor scale is applied once to the scores and once to the output. Where Triton
 has no native e4m3 conversion (NVIDIA before sm_89, ROCm) the cache is read as bytes and
@@ -90,6 +96,8 @@ def absorbed_attn_kernel(
     rope_dim,
     page_size,
     num_splits,
+    scale_offset,  # DS: byte offset of a row's float32 tile scales
+    rope_offset,  # DS: byte offset of a row's k_pe (ROPE_DTYPE)
     qk_scale_log2,  # softmax_scale * log2(e)
     stride_qlt,
     stride_qlh,
@@ -116,6 +124,9 @@ def absorbed_attn_kernel(
     P_DTYPE: tl.constexpr,  # probabilities are rounded to q's dtype before P @ V, as on GPU
     IEEE: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # interpreter, bf16: round p (and a bf16 output) to nearest even
+    DS: tl.constexpr = False,  # fp8_ds_mla rows (bytes): e4m3 tiles x float32 scales, k_pe
+    TILE: tl.constexpr = 128,  # DS: c_kv values per scale
+    ROPE_DTYPE: tl.constexpr = tl.float32,  # DS: dtype of the stored k_pe
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     # Head blocks vary fastest in launch order, so the programs that read the same latent rows
@@ -186,12 +197,23 @@ def absorbed_attn_kernel(
             kv = _e4m3_bits_to_f32(tl.load(kv_ptrs, mask=kv_mask, other=0))
         else:
             kv = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+        if DS:
+            # each value times its own tile's float32 scale, in registers (fp32, exact as
+            # the torch reader's product), then rounded once to the dot dtype
+            sc_row = (rows + scale_offset).to(tl.pointer_type(tl.float32))
+            sc = tl.load(sc_row[:, None] + (offs_r // TILE)[None, :], mask=kv_mask, other=0.0)
+            kv = kv.to(tl.float32) * sc
+            if ROUND_BF16:
+                kv = _round_to_bf16_grid(kv)
         kv = kv.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
         s = _dot(q_lat, tl.trans(kv), IEEE)
         if HAS_ROPE:
             pe_ptrs = rows[:, None] + r_dim + offs_p[None, :]
             pe_mask = n_ok[:, None] & p_ok[None, :]
-            if FP8_BITS:
+            if DS:  # k_pe unquantized, in the compute dtype, at its byte offset
+                pe_row = (rows + rope_offset).to(tl.pointer_type(ROPE_DTYPE))
+                k_pe = tl.load(pe_row[:, None] + offs_p[None, :], mask=pe_mask, other=0.0)
+            elif FP8_BITS:
                 k_pe = _e4m3_bits_to_f32(tl.load(pe_ptrs, mask=pe_mask, other=0))
             else:
                 k_pe = tl.load(pe_ptrs, mask=pe_mask, other=0.0)

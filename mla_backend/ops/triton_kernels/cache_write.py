@@ -101,3 +101,59 @@ def write_latent_kernel(
             if FP8_BITS:
                 k = _e4m3_grid_to_bits(k)
         tl.store(row + r_dim + offs_p, k.to(kv_ptr.dtype.element_ty), mask=p_ok)
+
+
+@triton.jit
+def write_latent_ds_kernel(
+    kv_ptr,  # [P, page_size, width] uint8 fp8_ds_mla cache
+    c_kv_ptr,  # [T, r]
+    k_pe_ptr,  # [T, rope]
+    slot_ptr,  # [T] int32/int64
+    r_dim,
+    rope_dim,
+    page_size,
+    scale_offset,  # byte offset of the float32 tile scales
+    rope_offset,  # byte offset of k_pe (ROPE_DTYPE)
+    stride_kvp,
+    stride_kvs,
+    stride_ct,
+    stride_pt,
+    NUM_TILES: tl.constexpr,  # power of two >= ceil(r / TILE)
+    TILE: tl.constexpr,
+    BLOCK_ROPE: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    ROPE_DTYPE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FLT_MIN: tl.constexpr,
+):
+    """One token's ``fp8_ds_mla`` row, bit for bit as :meth:`CacheLayout.pack` (vLLM's
+    ``concat_and_cache_ds_mla``): per tile ``scale = max(amax / 448, FLT_MIN)`` (IEEE
+    division), ``e4m3(clamp(x / scale, +-448))`` rounded to nearest even (encoded with integer
+    ops on every backend), the scales as float32, k_pe copied in ``ROPE_DTYPE``."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.where(valid, slot, 0)
+    row = kv_ptr + (slot // page_size) * stride_kvp + (slot % page_size) * stride_kvs
+
+    offs_t = tl.arange(0, NUM_TILES)
+    offs_c = offs_t[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [NUM_TILES, TILE]
+    r_valid = tl.where(valid, r_dim, 0)  # a padding token masks every column
+    c_ok = offs_c < r_valid
+    x = tl.load(c_kv_ptr + t * stride_ct + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FLT_MIN)  # [NUM_TILES]
+    q = tl.math.div_rn(x, scale[:, None])
+    y = _round_to_e4m3_grid(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+    sign = ((q.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)  # keeps -0.0 as 0x80
+    code = tl.where(c_ok, _e4m3_grid_to_bits(y) | sign, 0)  # alignment bytes [r, s0): 0
+    tl.store(row + offs_c, code, mask=offs_c < tl.where(valid, scale_offset, 0))
+    tile_ok = offs_t * TILE < r_valid
+    tl.store((row + scale_offset).to(tl.pointer_type(tl.float32)) + offs_t, scale, mask=tile_ok)
+
+    if HAS_ROPE:
+        offs_p = tl.arange(0, BLOCK_ROPE)
+        p_ok = offs_p < tl.where(valid, rope_dim, 0)
+        k = tl.load(k_pe_ptr + t * stride_pt + offs_p, mask=p_ok, other=0.0)
+        pe_row = (row + rope_offset).to(tl.pointer_type(ROPE_DTYPE))
+        tl.store(pe_row + offs_p, k.to(ROPE_DTYPE), mask=p_ok)
