@@ -363,6 +363,7 @@ def _absorbed_attention_op(
         ROUND_BF16=round_bf16,
         DS=ds,
         TILE=FP8_TILE,
+        NUM_TILES=max(block_r // FP8_TILE, 1),
         ROPE_DTYPE=_TL_DTYPE[cd],
         num_warps=4,
     )

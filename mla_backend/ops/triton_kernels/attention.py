@@ -126,6 +126,7 @@ def absorbed_attn_kernel(
     ROUND_BF16: tl.constexpr,  # interpreter, bf16: round p (and a bf16 output) to nearest even
     DS: tl.constexpr = False,  # fp8_ds_mla rows (bytes): e4m3 tiles x float32 scales, k_pe
     TILE: tl.constexpr = 128,  # DS: c_kv values per scale
+    NUM_TILES: tl.constexpr = 1,  # DS: max(BLOCK_R // TILE, 1)
     ROPE_DTYPE: tl.constexpr = tl.float32,  # DS: dtype of the stored k_pe
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -200,9 +201,13 @@ def absorbed_attn_kernel(
         if DS:
             # each value times its own tile's float32 scale, in registers (fp32, exact as
             # the torch reader's product), then rounded once to the dot dtype
+            # one load per (row, tile), broadcast over the tile's values in registers
             sc_row = (rows + scale_offset).to(tl.pointer_type(tl.float32))
-            sc = tl.load(sc_row[:, None] + (offs_r // TILE)[None, :], mask=kv_mask, other=0.0)
-            kv = kv.to(tl.float32) * sc
+            offs_t = tl.arange(0, NUM_TILES)
+            sc_mask = n_ok[:, None] & (offs_t * TILE < r_dim)[None, :]
+            sc = tl.load(sc_row[:, None] + offs_t[None, :], mask=sc_mask, other=0.0)
+            kv = tl.reshape(kv.to(tl.float32), [BLOCK_N, NUM_TILES, BLOCK_R // NUM_TILES])
+            kv = tl.reshape(kv * sc[:, :, None], [BLOCK_N, BLOCK_R])
             if ROUND_BF16:
                 kv = _round_to_bf16_grid(kv)
         kv = kv.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
