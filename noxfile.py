@@ -40,11 +40,11 @@ def core(session: nox.Session) -> None:
     CPU, compiled on first use), once forced onto the torch fallback."""
     session.install(TORCH)
     session.install("-e", ".[test]")
-    _pytest(session, "tests", "--ignore=tests/triton")
+    _pytest(session, "tests", "--ignore=tests/triton_path")
     _pytest(
         session,
         "tests",
-        "--ignore=tests/triton",
+        "--ignore=tests/triton_path",
         "--ignore=tests/test_native.py",
         env={"MLA_BACKEND_IMPL": "torch"},
     )
@@ -55,7 +55,7 @@ def triton(session: nox.Session) -> None:
     """Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch path."""
     session.install(TORCH)
     session.install("-e", ".[test,triton]")
-    _pytest(session, "tests/triton", env={"TRITON_INTERPRET": "1"})
+    _pytest(session, "tests/triton_path", env={"TRITON_INTERPRET": "1"})
 
 
 def _vllm_env(session: nox.Session) -> None:

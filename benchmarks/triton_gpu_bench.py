@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "triton_gpu_bench: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False); "
             "nothing to measure on this machine. The kernels' correctness is tested on CPU "
-            "under TRITON_INTERPRET=1 (tests/triton)."
+            "under TRITON_INTERPRET=1 (tests/triton_path)."
         )
         return 0
     try:

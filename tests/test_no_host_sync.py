@@ -11,7 +11,7 @@ For decode, extend-onto-prefix, mixed and normal-path plans (made beforehand fro
   ``float(t)`` and ``bool(t)`` dispatch to: a device-to-host sync on a GPU) sees zero calls
   during a real run, with bf16 and fp8 caches (with ``kv_scale``).
 
-The helpers take the kernel implementation as an argument; ``tests/triton`` runs the same
+The helpers take the kernel implementation as an argument; ``tests/triton_path`` runs the same
 checks on the Triton kernels.
 """
 
@@ -38,7 +38,7 @@ class _FixedChoice(mb.Policy):
         super().__init__("cost")
         self._use = list(use_absorbed)
 
-    def choose(self, batch, dims, device_type="cpu") -> PathChoice:
+    def choose(self, batch, dims, device_type="cpu", impl="torch") -> PathChoice:
         return PathChoice(list(self._use))
 
 
