@@ -59,6 +59,8 @@ from typing import Any
 import pytest
 import torch
 
+from mla_backend.testing.oracle import teacher_forced_logprobs
+
 from . import _server
 
 LOGPROB_ATOL = 1e-3
@@ -288,27 +290,8 @@ def _run(server: _server.Server, job: Job) -> Job:
     return job
 
 
-@torch.no_grad()
-def _oracle_logprobs(model: Any, jobs: list[Job], batch: int = 16) -> list[torch.Tensor]:
-    """Teacher-forced oracle log-probs for many requests: right-padded batches of similar
-    lengths (causal: the padding after a sequence cannot change its logits), one forward
-    per batch instead of one per request. Entry i: [len(tokens_i), vocab]."""
-    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i].prompt) + len(jobs[i].tokens))
-    out: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
-    for s in range(0, len(order), batch):
-        idx = order[s : s + batch]
-        seqs = [jobs[i].prompt + jobs[i].tokens for i in idx]
-        width = max(len(q) for q in seqs)
-        ids = torch.full((len(seqs), width), 3, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for r, q in enumerate(seqs):
-            ids[r, : len(q)] = torch.tensor(q)
-            mask[r, : len(q)] = 1
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        for r, i in enumerate(idx):
-            p, n = len(jobs[i].prompt), len(jobs[i].tokens)
-            out[i] = torch.log_softmax(logits[r, p - 1 : p - 1 + n], dim=-1)
-    return out
+def _oracle_logprobs(model: Any, jobs: list[Job]) -> list[torch.Tensor]:
+    return teacher_forced_logprobs(model, [(job.prompt, job.tokens) for job in jobs])
 
 
 @torch.no_grad()
