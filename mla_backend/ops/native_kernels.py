@@ -1,6 +1,7 @@
 """The native implementation of :class:`mla_backend.ops.KernelImpl` for CPU tensors: cache write
 and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
-use); the normal path's cache reads and MHA from the torch implementation."""
+use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows); the
+normal path's cache reads and MHA from the torch implementation."""
 
 from __future__ import annotations
 
@@ -48,8 +49,6 @@ class Kernels(TorchKernels):
         slot_mapping: torch.Tensor,
         kv_scale: torch.Tensor | None,
     ) -> None:
-        if kv_cache.dtype == torch.uint8:  # fp8_ds_mla: not in the C++ kernels yet
-            return super().write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
         native.write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
 
     def absorbed_attention(
@@ -61,10 +60,6 @@ class Kernels(TorchKernels):
         softmax_scale: float,
         kv_scale: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if kv_cache.dtype == torch.uint8:  # fp8_ds_mla: not in the C++ kernels yet
-            return super().absorbed_attention(
-                q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale
-            )
         return native.absorbed_attention(
             q_lat,
             q_pe,

@@ -39,6 +39,12 @@ namespace {
 
 constexpr int kTileN = 64;    // kv tokens per tile
 constexpr int kMaxRows = 32;  // query rows per work item
+constexpr int kDsTile = 128;  // fp8_ds_mla: c_kv values per float32 scale (CacheLayout.FP8_TILE)
+
+// cache formats
+constexpr int kPlain = 0;  // q's dtype
+constexpr int kFp8 = 1;    // float8_e4m3fn, one per-tensor scale
+constexpr int kDs = 2;     // fp8_ds_mla uint8 rows: e4m3 c_kv tiles, float32 tile scales, k_pe
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
@@ -79,9 +85,12 @@ struct Params {
   int64_t qp_s0, qp_s1;
   const char* cache;
   int64_t c_s0, c_s1;  // page / row strides in bytes
-  int64_t row_bytes;   // (r + rope) * element size
-  float score_scale;   // softmax_scale * kv_scale
-  float out_scale;     // kv_scale
+  int64_t row_bytes;   // bytes of one cached row
+  float score_scale;   // softmax_scale * kv_scale (fp8: times 256, see kFp8Unscale)
+  float out_scale;     // kv_scale (fp8: times 256; fp8_ds_mla: 1)
+  // fp8_ds_mla rows (mla_backend.cache_layout): bytes [0, r) e4m3, [ds_scale_off, +4 * tiles)
+  // float32 tile scales, [ds_rope_off, ...) k_pe in q's dtype
+  int64_t tiles = 0, ds_scale_off = 0, ds_rope_off = 0;
   char* out;           // [T, H, r] contiguous, q dtype
   float* lse;          // [T, H]
   float* part_o;       // [.., r] normalised partial outputs of split requests
@@ -174,7 +183,9 @@ inline void softmax_tile(float* S, int rows, int nt, int ntp, const int64_t* lim
 }
 
 // ---- fp32 engine (any dtype; the portable path) ------------------------------------------
-template <typename QT, typename CT, bool kFp8>
+// kMode: kPlain (cache of CT = q's dtype), kFp8 (e4m3 rows, per-tensor scale folded into
+// score_scale / out_scale) or kDs (fp8_ds_mla rows: each tile times its own scale, k_pe as QT).
+template <typename QT, typename CT, int kMode>
 struct F32Engine {
   const Params& P;
   int64_t D, r;
@@ -214,13 +225,37 @@ struct F32Engine {
     for (int c = 0; c < nt; ++c) {
       float* dst = K + static_cast<int64_t>(c) * D;
       const char* src = P.cache + offs[c];
-      if constexpr (kFp8) {
+      if constexpr (kMode == kFp8) {  // value / 256 (the 256 is in the scales)
         const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
         int64_t d = 0;
 #ifdef MLA_AVX512
-        for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, fp8x16_to_f32(s8 + d));
+        for (; d < D; d += 16) {
+          const int64_t left = D - d;
+          const __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+          _mm512_mask_storeu_ps(dst + d, k, fp8x16_to_f32_div256(s8 + d, k));
+        }
 #endif
-        for (; d < D; ++d) dst[d] = fp8_to_f32(s8[d]);
+        for (; d < D; ++d) dst[d] = fp8_to_f32(s8[d]) * (1.0f / kFp8Unscale);
+      } else if constexpr (kMode == kDs) {  // value * tile scale: fp32's rounding of v * s
+        const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
+        for (int64_t t = 0; t < P.tiles; ++t) {
+          float st;
+          std::memcpy(&st, src + P.ds_scale_off + 4 * t, 4);
+          const int64_t d1 = std::min<int64_t>(r, (t + 1) * kDsTile);
+          int64_t d = t * kDsTile;
+#ifdef MLA_AVX512
+          // (v / 256) * (256 s) is the same real number as v * s, so the same fp32 rounding
+          const __m512 vs = _mm512_set1_ps(st * kFp8Unscale);
+          for (; d < d1; d += 16) {
+            const int64_t left = d1 - d;
+            const __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+            _mm512_mask_storeu_ps(dst + d, k, _mm512_mul_ps(fp8x16_to_f32_div256(s8 + d, k), vs));
+          }
+#endif
+          for (; d < d1; ++d) dst[d] = fp8_to_f32(s8[d]) * st;
+        }
+        const QT* kp = reinterpret_cast<const QT*>(src + P.ds_rope_off);
+        for (int64_t d = 0; d < P.rope; ++d) dst[r + d] = static_cast<float>(kp[d]);
       } else {
         const CT* s = reinterpret_cast<const CT*>(src);
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(s[d]);
@@ -349,22 +384,32 @@ struct F32Engine {
 };
 
 #ifdef MLA_AVX512BF16
-// ---- AVX512-BF16 engine (q bf16; cache bf16 or fp8) --------------------------------------
+// ---- AVX512-BF16 engine (q bf16; cache bf16, fp8 or fp8_ds_mla) -------------------------
 // Query rows live in SIMD lanes (16 rows per vector, one or two vectors per item): q is
 // packed once per item as bf16 pairs [D/2][rows] and each kv row's bf16 pair is broadcast,
 // so the scores come out as [kv][rows] with no horizontal reduction, the online softmax is
 // vertical (one max / exp / sum per kv row for 16 query rows), and the probabilities are
 // interleaved pairwise per row for P.V against the VNNI-packed tile.
-template <bool kFp8>
+//
+// fp8 rows are decoded to bf16 = value / 256 exactly (fp8x32_to_bf16_div256; the 256 is in
+// the score / output scales). fp8_ds_mla rows likewise, with the scales applied in registers:
+// the scores sum, per kv row, scale_t * (q_tile . fp8_tile) over the 128-value tiles plus
+// q_pe . k_pe (k_pe copied as stored); for P.V each probability is multiplied by its kv row's
+// tile scale before the bf16 rounding, one probability array per tile (a 64-column block of
+// the output lies in one tile). For fp8_ds_mla an odd r is padded to r2 = r + 1 with a zero
+// in both q and the decoded row, so that no bf16 pair mixes c_kv (scaled) with k_pe.
+template <int kMode>
 struct Bf16Engine {
+  static constexpr bool kDecode = kMode != kPlain;  // rows go through the Kd scratch tile
   const Params& P;
-  int64_t D, D2, Dp, r, rp;
+  int64_t D, r, r2, Dq, D2, Dp, rp, tiles;
   int MV = 1;      // row vectors (16 rows each) of the current item
   uint16_t* Q;     // [kMaxRows][Dp] rows as loaded (zero padded)
   uint32_t* Qp;    // [Dp / 2][kMaxRows] bf16 pairs, rows in lanes
-  uint16_t* Kd;    // [kTileN][Dp] dequantised fp8 tile
+  uint16_t* Kd;    // [kTileN][Dp] decoded fp8 tile
+  float* scl;      // fp8_ds_mla: [kTileN + 8][tiles] 256 * tile scale per kv row (0: padding)
   uint16_t* Vp;    // [kTileN / 2][2 * rp] VNNI-packed V
-  uint32_t* PP;    // [kTileN / 2][kMaxRows] bf16 probability pairs per row
+  uint32_t* PP;    // [tiles][kTileN / 2][kMaxRows] bf16 probability pairs per row
   float* St;       // [kTileN][kMaxRows] scores, rows in lanes
   uint16_t* zero;  // one zero row of Dp
   float* O;        // [kMaxRows][rp]
@@ -373,16 +418,20 @@ struct Bf16Engine {
 
   explicit Bf16Engine(const Params& p) : P(p), D(p.D), r(p.r) {
     static_assert(kMaxRows == 32, "two row vectors");
-    D2 = (D + 1) / 2;
-    Dp = round_up(D, 32);
+    r2 = kMode == kDs ? round_up(r, 2) : r;
+    Dq = r2 + p.rope;
+    D2 = (Dq + 1) / 2;
+    Dp = round_up(Dq, 32);
     rp = round_up(r, 16);
+    tiles = kMode == kDs ? p.tiles : 1;
     Q = tl_scratch.q.get<uint16_t>(kMaxRows * Dp + (Dp / 2) * kMaxRows * 2);
     Qp = reinterpret_cast<uint32_t*>(Q + kMaxRows * Dp);
-    Kd = kFp8 ? tl_scratch.k.get<uint16_t>(kTileN * Dp) : nullptr;
+    Kd = kDecode ? tl_scratch.k.get<uint16_t>(kTileN * Dp) : nullptr;
     Vp = tl_scratch.v.get<uint16_t>(kTileN * rp);
-    PP = tl_scratch.pb.get<uint32_t>((kTileN / 2) * kMaxRows);
-    St = tl_scratch.s.get<float>(kTileN * kMaxRows + kMaxRows);
+    PP = tl_scratch.pb.get<uint32_t>(tiles * (kTileN / 2) * kMaxRows);
+    St = tl_scratch.s.get<float>(kTileN * kMaxRows + kMaxRows + (kTileN + 8) * tiles);
     alpha = St + kTileN * kMaxRows;
+    scl = alpha + kMaxRows;
     zero = tl_scratch.zero.get<uint16_t>(Dp);
     std::memset(zero, 0, Dp * sizeof(uint16_t));
     O = tl_scratch.o.get<float>(kMaxRows * rp);
@@ -396,8 +445,9 @@ struct Bf16Engine {
   void load_q(int m, const char* ql, const char* qp) {
     uint16_t* dst = Q + m * Dp;
     std::memcpy(dst, ql, r * 2);
-    if (P.rope) std::memcpy(dst + r, qp, P.rope * 2);
-    std::memset(dst + D, 0, (Dp - D) * 2);
+    if (r2 > r) dst[r] = 0;
+    if (P.rope) std::memcpy(dst + r2, qp, P.rope * 2);
+    std::memset(dst + Dq, 0, (Dp - Dq) * 2);
   }
   void zero_q(int m) { std::memset(Q + m * Dp, 0, Dp * 2); }
   void start_item(int rows_pad) {
@@ -408,23 +458,42 @@ struct Bf16Engine {
         Qp[d2 * R + m] = reinterpret_cast<const uint32_t*>(Q + m * Dp)[d2];
   }
 
+  // fp8 bytes [0, n) of a row -> dst[0, round_up(n, 32)) bf16 value / 256 (zeros past n)
+  static inline void decode(uint16_t* dst, const uint8_t* s8, int64_t n) {
+    for (int64_t d = 0; d < n; d += 32) {
+      const int64_t left = n - d;
+      const __mmask32 msk = left >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << left) - 1);
+      _mm512_storeu_si512(dst + d, fp8x32_to_bf16_div256(s8 + d, msk));
+    }
+  }
+
   void load_tile(const int64_t* offs, int nt) {
     for (int c = 0; c < nt; ++c) {
       const char* src = P.cache + offs[c];
-      if constexpr (kFp8) {
+      if constexpr (kMode == kFp8) {
         uint16_t* dst = Kd + static_cast<int64_t>(c) * Dp;
-        const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
-        for (int64_t d = 0; d < D; d += 32) {
-          int64_t left = D - d;
-          __mmask32 msk = left >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << left) - 1);
-          _mm512_storeu_si512(dst + d, fp8x32_to_bf16(s8 + d, msk));  // exact
+        decode(dst, reinterpret_cast<const uint8_t*>(src), D);
+        rows[c] = dst;
+      } else if constexpr (kMode == kDs) {
+        uint16_t* dst = Kd + static_cast<int64_t>(c) * Dp;
+        decode(dst, reinterpret_cast<const uint8_t*>(src), r);  // zeros r .. round_up(r, 32)
+        if (P.rope) std::memcpy(dst + r2, src + P.ds_rope_off, P.rope * 2);
+        std::memset(dst + Dq, 0, (Dp - Dq) * 2);
+        for (int64_t t = 0; t < tiles; ++t) {
+          float st;
+          std::memcpy(&st, src + P.ds_scale_off + 4 * t, 4);
+          scl[c * tiles + t] = st * kFp8Unscale;
         }
         rows[c] = dst;
       } else {
         rows[c] = reinterpret_cast<const uint16_t*>(src);
       }
     }
-    for (int c = nt; c < round_up(nt, 8); ++c) rows[c] = zero;
+    for (int c = nt; c < round_up(nt, 8); ++c) {
+      rows[c] = zero;
+      if constexpr (kMode == kDs)
+        for (int64_t t = 0; t < tiles; ++t) scl[c * tiles + t] = 0.0f;
+    }
   }
 
   // kv pair d2 of row k, as a 32-bit broadcast (an odd D's last pair is zero-extended: the
@@ -437,15 +506,10 @@ struct Bf16Engine {
   }
 
   template <int NR, int NV>
-  void scores_kernel(int n0) {
+  static inline void dot_pairs(__m512 (&acc)[NR][NV], const uint32_t* Qp, const uint16_t* const* k,
+                               int64_t p0, int64_t p1) {
     constexpr int R = 16 * NV;
-    __m512 acc[NR][NV];
-    for (int i = 0; i < NR; ++i)
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-    const uint16_t* k[NR];
-    for (int i = 0; i < NR; ++i) k[i] = rows[n0 + i];
-    const int64_t D2f = D / 2;  // full pairs
-    for (int64_t d2 = 0; d2 < D2f; ++d2) {
+    for (int64_t d2 = p0; d2 < p1; ++d2) {
       __m512i q[NV];
       for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(Qp + d2 * R + 16 * v);
       for (int i = 0; i < NR; ++i) {
@@ -455,12 +519,39 @@ struct Bf16Engine {
         for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, (__m512bh)q[v]);
       }
     }
-    if (D2f < D2) {
-      __m512i q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(Qp + D2f * R + 16 * v);
-      for (int i = 0; i < NR; ++i) {
-        __m512bh kb = (__m512bh)kpair(k[i], D2f);
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, (__m512bh)q[v]);
+  }
+
+  template <int NR, int NV>
+  void scores_kernel(int n0) {
+    constexpr int R = 16 * NV;
+    __m512 acc[NR][NV];
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    const uint16_t* k[NR];
+    for (int i = 0; i < NR; ++i) k[i] = rows[n0 + i];
+    if constexpr (kMode == kDs) {
+      // Kd rows and q rows are zero padded to Dp: every pair can be read whole
+      for (int64_t t = 0; t < tiles; ++t) {
+        __m512 acc_t[NR][NV];
+        for (int i = 0; i < NR; ++i)
+          for (int v = 0; v < NV; ++v) acc_t[i][v] = _mm512_setzero_ps();
+        dot_pairs<NR, NV>(acc_t, Qp, k, t * (kDsTile / 2), std::min<int64_t>((t + 1) * (kDsTile / 2), r2 / 2));
+        for (int i = 0; i < NR; ++i) {
+          const __m512 s = _mm512_set1_ps(scl[(n0 + i) * tiles + t]);
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(acc_t[i][v], s, acc[i][v]);
+        }
+      }
+      dot_pairs<NR, NV>(acc, Qp, k, r2 / 2, D2);  // q_pe . k_pe
+    } else {
+      const int64_t D2f = D / 2;  // full pairs
+      dot_pairs<NR, NV>(acc, Qp, k, 0, D2f);
+      if (D2f < D2) {
+        __m512i q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(Qp + D2f * R + 16 * v);
+        for (int i = 0; i < NR; ++i) {
+          __m512bh kb = (__m512bh)kpair(k[i], D2f);
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, (__m512bh)q[v]);
+        }
       }
     }
     for (int i = 0; i < NR; ++i)
@@ -492,7 +583,7 @@ struct Bf16Engine {
   }
 
   template <int MR, int NC>
-  void pv_kernel(int m0, int64_t c0, int npairs) {
+  void pv_kernel(int m0, int64_t c0, int npairs, const uint32_t* PPt) {
     const int R = 16 * MV;
     __m512 acc[MR][NC];
     for (int i = 0; i < MR; ++i) {
@@ -504,7 +595,7 @@ struct Bf16Engine {
       const uint16_t* vk = Vp + static_cast<int64_t>(k) * 2 * rp + 2 * c0;
       __m512i vb[NC];
       for (int j = 0; j < NC; ++j) vb[j] = _mm512_loadu_si512(vk + 32 * j);
-      const uint32_t* pk = PP + k * R + m0;
+      const uint32_t* pk = PPt + k * R + m0;
       for (int i = 0; i < MR; ++i) {
         __m512bh pa = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pk[i]));
         for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pa, (__m512bh)vb[j]);
@@ -515,15 +606,15 @@ struct Bf16Engine {
   }
 
   template <int NC>
-  void pv_cols(int rows, int64_t c0, int npairs) {
+  void pv_cols(int rows, int64_t c0, int npairs, const uint32_t* PPt) {
     int m0 = 0;
-    for (; m0 + 6 <= rows; m0 += 6) pv_kernel<6, NC>(m0, c0, npairs);
+    for (; m0 + 6 <= rows; m0 += 6) pv_kernel<6, NC>(m0, c0, npairs, PPt);
     switch (rows - m0) {
-      case 5: pv_kernel<5, NC>(m0, c0, npairs); break;
-      case 4: pv_kernel<4, NC>(m0, c0, npairs); break;
-      case 3: pv_kernel<3, NC>(m0, c0, npairs); break;
-      case 2: pv_kernel<2, NC>(m0, c0, npairs); break;
-      case 1: pv_kernel<1, NC>(m0, c0, npairs); break;
+      case 5: pv_kernel<5, NC>(m0, c0, npairs, PPt); break;
+      case 4: pv_kernel<4, NC>(m0, c0, npairs, PPt); break;
+      case 3: pv_kernel<3, NC>(m0, c0, npairs, PPt); break;
+      case 2: pv_kernel<2, NC>(m0, c0, npairs, PPt); break;
+      case 1: pv_kernel<1, NC>(m0, c0, npairs, PPt); break;
       default: break;
     }
   }
@@ -569,8 +660,17 @@ struct Bf16Engine {
           sum = _mm512_add_ps(sum, p2[e]);
         }
         // [p(2k) rows 0..15 | p(2k+1) rows 0..15] -> per row (p(2k), p(2k+1)) bf16 pairs
-        __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p2[1], p2[0]);
-        _mm512_storeu_si512(PP + k * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
+        if constexpr (kMode == kDs) {  // one array per tile: p times the kv row's tile scale
+          for (int64_t t = 0; t < tiles; ++t) {
+            const __m512 s0 = _mm512_set1_ps(scl[(2 * k) * tiles + t]);
+            const __m512 s1 = _mm512_set1_ps(scl[(2 * k + 1) * tiles + t]);
+            __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(p2[1], s1), _mm512_mul_ps(p2[0], s0));
+            _mm512_storeu_si512(PP + (t * (kTileN / 2) + k) * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
+          }
+        } else {
+          __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p2[1], p2[0]);
+          _mm512_storeu_si512(PP + k * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
+        }
       }
       const __m512 lold = _mm512_loadu_ps(lrow + 16 * v);
       _mm512_storeu_ps(lrow + 16 * v, _mm512_fmadd_ps(lold, a, sum));
@@ -579,12 +679,14 @@ struct Bf16Engine {
     }
     pack_v(nt);
     for (int64_t c0 = 0; c0 < rp; c0 += 64) {
+      // a 64-column block lies in one 128-value tile (fp8_ds_mla)
+      const uint32_t* PPt = kMode == kDs ? PP + (c0 / kDsTile) * (kTileN / 2) * R : PP;
       int nc = static_cast<int>(std::min<int64_t>(4, (rp - c0) / 16));
       switch (nc) {
-        case 4: pv_cols<4>(rows, c0, npairs); break;
-        case 3: pv_cols<3>(rows, c0, npairs); break;
-        case 2: pv_cols<2>(rows, c0, npairs); break;
-        default: pv_cols<1>(rows, c0, npairs); break;
+        case 4: pv_cols<4>(rows, c0, npairs, PPt); break;
+        case 3: pv_cols<3>(rows, c0, npairs, PPt); break;
+        case 2: pv_cols<2>(rows, c0, npairs, PPt); break;
+        default: pv_cols<1>(rows, c0, npairs, PPt); break;
       }
     }
   }
@@ -725,7 +827,21 @@ void merge_splits(const Params& P, const std::vector<std::pair<int64_t, int64_t>
   });
 }
 
-const char* dtype_list = "bfloat16, float16, float32 (cache also float8_e4m3fn)";
+const char* dtype_list = "bfloat16, float16, float32 (cache also float8_e4m3fn, uint8 fp8_ds_mla)";
+
+// fp8_ds_mla row of r c_kv values and rope k_pe values of `es` bytes each (mla_backend.cache_layout:
+// scales at r rounded up to 4, then 4 bytes per tile, then k_pe).
+struct DsLayout {
+  int64_t tiles, scale_off, rope_off, width;
+  DsLayout(int64_t r, int64_t rope, int64_t es)
+      : tiles(ceil_div(r, kDsTile)),
+        scale_off(round_up(r, 4)),
+        rope_off(round_up(r, 4) + 4 * ceil_div(r, kDsTile)),
+        width(round_up(r, 4) + 4 * ceil_div(r, kDsTile) + rope * es) {}
+};
+
+// e4m3 of a float as torch's .to(float8_e4m3fn) (round to nearest even; the callers clamp).
+inline uint8_t to_e4m3(float v) { return c10::Float8_e4m3fn(v).x; }
 
 }  // namespace
 
@@ -748,8 +864,9 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
               " differs from q_lat dtype ", qdt);
   const auto cdt = kv_cache.scalar_type();
   const bool fp8 = cdt == at::kFloat8_e4m3fn;
-  TORCH_CHECK(cdt == qdt || fp8, "kv_cache dtype ", cdt, " is not supported with q dtype ", qdt,
-              "; the cache must have q's dtype or be float8_e4m3fn");
+  const bool ds = cdt == at::kByte;  // fp8_ds_mla rows
+  TORCH_CHECK(cdt == qdt || fp8 || ds, "kv_cache dtype ", cdt, " is not supported with q dtype ",
+              qdt, "; the cache must have q's dtype, be float8_e4m3fn, or uint8 (fp8_ds_mla)");
   const int64_t T = q_lat_in.size(0), H = q_lat_in.size(1), r = q_lat_in.size(2);
   const int64_t rope = q_pe_in.size(2);
   TORCH_CHECK(q_pe_in.size(0) == T && q_pe_in.size(1) == H, "q_pe shape ", q_pe_in.sizes(),
@@ -757,8 +874,15 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   TORCH_CHECK(r >= 1, "kv_lora_rank r=", r, " must be >= 1");
   TORCH_CHECK(H >= 1, "num heads H=", H, " must be >= 1");
   const int64_t D = r + rope;
-  TORCH_CHECK(kv_cache.size(2) == D, "kv_cache last dim ", kv_cache.size(2), " != r + rope = ", r,
-              " + ", rope);
+  const DsLayout dsl(r, rope, q_lat_in.element_size());
+  if (ds) {
+    TORCH_CHECK(kv_cache.size(2) == dsl.width, "fp8_ds_mla kv_cache last dim ", kv_cache.size(2),
+                " != the row width ", dsl.width, " bytes for r = ", r, ", rope = ", rope, " in ",
+                qdt);
+  } else {
+    TORCH_CHECK(kv_cache.size(2) == D, "kv_cache last dim ", kv_cache.size(2), " != r + rope = ",
+                r, " + ", rope);
+  }
   TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous, got strides ",
               kv_cache.strides());
   const int64_t page_size = kv_cache.size(1), num_pages = kv_cache.size(0);
@@ -900,9 +1024,15 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   P.cache = static_cast<const char*>(kv_cache.data_ptr());
   P.c_s0 = kv_cache.stride(0) * ces;
   P.c_s1 = kv_cache.stride(1) * ces;
-  P.row_bytes = D * ces;
-  P.score_scale = static_cast<float>(softmax_scale) * kvs;
-  P.out_scale = kvs;
+  P.row_bytes = kv_cache.size(2) * ces;
+  // fp8 rows are decoded as value / 256 (kFp8Unscale): the 256 goes into the scales here
+  // (fp8_ds_mla: into each tile scale, in the engines)
+  const float unscale = fp8 ? kFp8Unscale : 1.0f;
+  P.score_scale = static_cast<float>(softmax_scale) * kvs * unscale;
+  P.out_scale = kvs * unscale;
+  P.tiles = dsl.tiles;
+  P.ds_scale_off = dsl.scale_off;
+  P.ds_rope_off = dsl.rope_off;
   P.out = static_cast<char*>(out.data_ptr());
   P.lse = lse.data_ptr<float>();
   P.part_o = part_buf.data();
@@ -911,28 +1041,78 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   if (qdt == at::kBFloat16) {
     using QT = c10::BFloat16;
 #ifdef MLA_AVX512BF16
-    if (fp8) run_items<QT, Bf16Engine<true>>(P, items);
-    else run_items<QT, Bf16Engine<false>>(P, items);
+    if (ds) run_items<QT, Bf16Engine<kDs>>(P, items);
+    else if (fp8) run_items<QT, Bf16Engine<kFp8>>(P, items);
+    else run_items<QT, Bf16Engine<kPlain>>(P, items);
 #else
-    if (fp8) run_items<QT, F32Engine<QT, uint8_t, true>>(P, items);
-    else run_items<QT, F32Engine<QT, QT, false>>(P, items);
+    if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items);
+    else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items);
+    else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items);
 #endif
     merge_splits<QT>(P, split_reqs);
   } else if (qdt == at::kHalf) {
     using QT = c10::Half;
-    if (fp8) run_items<QT, F32Engine<QT, uint8_t, true>>(P, items);
-    else run_items<QT, F32Engine<QT, QT, false>>(P, items);
+    if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items);
+    else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items);
+    else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items);
     merge_splits<QT>(P, split_reqs);
   } else {
     using QT = float;
-    if (fp8) run_items<QT, F32Engine<QT, uint8_t, true>>(P, items);
-    else run_items<QT, F32Engine<QT, QT, false>>(P, items);
+    if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items);
+    else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items);
+    else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items);
     merge_splits<QT>(P, split_reqs);
   }
   return {out, lse};
 }
 
 // ---- op: cache write ---------------------------------------------------------------------
+namespace {
+// n floats -> n values of dtype dt (bf16 / fp16 round to nearest even, as torch's .to()).
+void store_as(char* dst, const float* src, int64_t n, at::ScalarType dt) {
+  if (dt == at::kBFloat16) {
+    auto* d = reinterpret_cast<c10::BFloat16*>(dst);
+    for (int64_t k = 0; k < n; ++k) d[k] = c10::BFloat16(src[k]);
+  } else if (dt == at::kHalf) {
+    auto* d = reinterpret_cast<c10::Half*>(dst);
+    for (int64_t k = 0; k < n; ++k) d[k] = c10::Half(src[k]);
+  } else {
+    std::memcpy(dst, src, n * sizeof(float));
+  }
+}
+
+// One fp8_ds_mla row, bit for bit as CacheLayout.pack (and vLLM's concat_and_cache_ds_mla):
+// per tile of 128 c_kv values scale = max(amax(|x|) / 448, FLT_MIN) (fp32; NaN propagates like
+// torch.amax / clamp), stored = e4m3(clamp(x / scale, -448, 448)), the scale's float32 bytes,
+// zero bytes between r and the scales, then k_pe converted to `rope_dt`.
+void write_ds_row(uint8_t* dst, const float* x, const float* kp, int64_t r, int64_t rope,
+                  const DsLayout& L, at::ScalarType rope_dt) {
+  for (int64_t t = 0; t < L.tiles; ++t) {
+    const int64_t j0 = t * kDsTile, j1 = std::min<int64_t>(r, j0 + kDsTile);
+    float amax = 0.0f;  // the padding of a partial tile is 0
+    for (int64_t j = j0; j < j1; ++j) {
+      const float a = std::fabs(x[j]);
+      if (std::isnan(a)) {  // torch.amax gives the default NaN, whatever the input's payload
+        amax = std::numeric_limits<float>::quiet_NaN();
+        break;
+      }
+      amax = std::max(amax, a);
+    }
+    float sc = amax / 448.0f;
+    if (!std::isnan(sc)) sc = std::max(sc, std::numeric_limits<float>::min());
+    for (int64_t j = j0; j < j1; ++j) {
+      float v = x[j] / sc;
+      if (v > 448.0f) v = 448.0f;
+      else if (v < -448.0f) v = -448.0f;  // NaN passes through, like torch.clamp
+      dst[j] = to_e4m3(v);
+    }
+    std::memcpy(dst + L.scale_off + 4 * t, &sc, 4);
+  }
+  std::memset(dst + r, 0, L.scale_off - r);
+  if (rope) store_as(reinterpret_cast<char*>(dst + L.rope_off), kp, rope, rope_dt);
+}
+}  // namespace
+
 void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const at::Tensor& k_pe_in,
                   const at::Tensor& slot_mapping_in, const c10::optional<at::Tensor>& kv_scale) {
   TORCH_CHECK(kv_cache.device().is_cpu() && c_kv_in.device().is_cpu() && k_pe_in.device().is_cpu() &&
@@ -945,15 +1125,23 @@ void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const a
               c_kv_in.sizes(), " and ", k_pe_in.sizes());
   const int64_t T = c_kv_in.size(0), r = c_kv_in.size(1), rope = k_pe_in.size(1);
   TORCH_CHECK(k_pe_in.size(0) == T, "k_pe has ", k_pe_in.size(0), " rows, c_kv has ", T);
-  TORCH_CHECK(kv_cache.size(2) == r + rope, "kv_cache last dim ", kv_cache.size(2),
-              " != r + rope = ", r, " + ", rope);
+  const auto cdt = kv_cache.scalar_type();
+  const bool fp8 = cdt == at::kFloat8_e4m3fn;
+  const bool ds = cdt == at::kByte;  // fp8_ds_mla: k_pe is stored in c_kv's dtype
+  const DsLayout dsl(r, rope, c_kv_in.element_size());
+  if (ds) {
+    TORCH_CHECK(kv_cache.size(2) == dsl.width, "fp8_ds_mla kv_cache last dim ", kv_cache.size(2),
+                " != the row width ", dsl.width, " bytes for r = ", r, ", rope = ", rope,
+                " with k_pe in ", c_kv_in.scalar_type());
+  } else {
+    TORCH_CHECK(kv_cache.size(2) == r + rope, "kv_cache last dim ", kv_cache.size(2),
+                " != r + rope = ", r, " + ", rope);
+  }
   TORCH_CHECK(slot_mapping_in.dim() == 1 && slot_mapping_in.numel() >= T, "slot_mapping must be [>= ",
               T, "], got shape ", slot_mapping_in.sizes());
   TORCH_CHECK(slot_mapping_in.scalar_type() == at::kInt || slot_mapping_in.scalar_type() == at::kLong,
               "slot_mapping dtype ", slot_mapping_in.scalar_type(), " is not supported; use int32/int64");
-  const auto cdt = kv_cache.scalar_type();
-  const bool fp8 = cdt == at::kFloat8_e4m3fn;
-  TORCH_CHECK(fp8 || cdt == at::kBFloat16 || cdt == at::kHalf || cdt == at::kFloat, "kv_cache dtype ",
+  TORCH_CHECK(ds || fp8 || cdt == at::kBFloat16 || cdt == at::kHalf || cdt == at::kFloat, "kv_cache dtype ",
               cdt, " is not supported; use one of ", dtype_list);
   for (const auto* t : {&c_kv_in, &k_pe_in}) {
     auto dt = t->scalar_type();
@@ -985,6 +1173,11 @@ void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const a
       const int64_t slot = sp[t];
       if (slot < 0) continue;
       char* dst = base + (slot / ps) * s0 + (slot % ps) * s1;
+      if (ds) {
+        write_ds_row(reinterpret_cast<uint8_t*>(dst), cp + t * r, kp + t * rope, r, rope, dsl,
+                     c_kv_in.scalar_type());
+        continue;
+      }
       std::memcpy(row.data(), cp + t * r, r * sizeof(float));
       if (rope) std::memcpy(row.data() + r, kp + t * rope, rope * sizeof(float));
       if (fp8) {
@@ -995,17 +1188,51 @@ void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const a
           else if (v < -448.0f) v = -448.0f;  // NaN passes through, like torch.clamp
           d8[d] = c10::Float8_e4m3fn(v).x;
         }
-      } else if (cdt == at::kBFloat16) {
-        auto* d = reinterpret_cast<c10::BFloat16*>(dst);
-        for (int64_t k = 0; k < D; ++k) d[k] = c10::BFloat16(row[k]);
-      } else if (cdt == at::kHalf) {
-        auto* d = reinterpret_cast<c10::Half*>(dst);
-        for (int64_t k = 0; k < D; ++k) d[k] = c10::Half(row[k]);
       } else {
-        std::memcpy(dst, row.data(), D * sizeof(float));
+        store_as(dst, row.data(), D, cdt);
       }
     }
   });
+}
+
+// The kernels' e4m3 decode, exposed for its exactness test: uint8 [N] -> float32 [N] =
+// value / 256 (times 256 here) through the fp32 engine's path (bf16 = false) or the bf16
+// engine's (bf16 = true, where compiled in). NaN bytes (0x7f, 0xff) read as +-480.
+at::Tensor fp8_decode(const at::Tensor& bytes_in, bool bf16) {
+  TORCH_CHECK(bytes_in.scalar_type() == at::kByte && bytes_in.device().is_cpu(),
+              "fp8_decode takes a CPU uint8 tensor, got ", bytes_in.scalar_type());
+  at::Tensor bytes = bytes_in.contiguous().view(-1);
+  const int64_t n = bytes.numel();
+  at::Tensor out = at::empty({n}, bytes.options().dtype(at::kFloat));
+  const uint8_t* src = bytes.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  int64_t d = 0;
+#ifdef MLA_AVX512BF16
+  if (bf16) {
+    for (; d < n; d += 32) {
+      const int64_t left = n - d;
+      const __mmask32 m = left >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << left) - 1);
+      alignas(64) uint16_t tmp[32];
+      _mm512_store_si512(tmp, fp8x32_to_bf16_div256(src + d, m));
+      for (int64_t k = 0; k < std::min<int64_t>(32, left); ++k)
+        dst[d + k] = static_cast<float>(c10::BFloat16(tmp[k], c10::BFloat16::from_bits())) * kFp8Unscale;
+    }
+  }
+#endif
+#ifdef MLA_AVX512
+  for (; d < n; d += 16) {
+    const int64_t left = n - d;
+    const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    _mm512_mask_storeu_ps(dst + d, m, _mm512_mul_ps(fp8x16_to_f32_div256(src + d, m),
+                                                    _mm512_set1_ps(kFp8Unscale)));
+  }
+#endif
+  for (; d < n; ++d) {
+    const uint8_t b = src[d];
+    dst[d] = (b & 0x7f) == 0x7f ? ((b & 0x80) ? -480.0f : 480.0f) : fp8_to_f32(b);
+  }
+  (void)bf16;
+  return out;
 }
 
 // 1 when the AVX512-BF16 engine was compiled in (bf16 q with bf16/fp8 caches use it).
@@ -1028,9 +1255,11 @@ TORCH_LIBRARY_FRAGMENT(mla_backend, m) {
       "native_write_latent(Tensor(a!) kv_cache, Tensor c_kv, Tensor k_pe, Tensor slot_mapping, "
       "Tensor? kv_scale=None) -> ()");
   m.def("native_simd_info() -> int", &mla_native::simd_info);
+  m.def("native_fp8_decode(Tensor bytes, bool bf16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mla_backend, CPU, m) {
   m.impl("native_absorbed_attention", &mla_native::absorbed_attention);
   m.impl("native_write_latent", &mla_native::write_latent);
+  m.impl("native_fp8_decode", &mla_native::fp8_decode);
 }
