@@ -86,8 +86,8 @@ struct Params {
   const char* cache;
   int64_t c_s0, c_s1;  // page / row strides in bytes
   int64_t row_bytes;   // bytes of one cached row
-  float score_scale;   // softmax_scale * kv_scale (fp8: times 256, see kFp8Unscale)
-  float out_scale;     // kv_scale (fp8: times 256; fp8_ds_mla: 1)
+  float score_scale;   // softmax_scale * kv_scale
+  float out_scale;     // kv_scale (fp8_ds_mla: 1, its scales are applied per tile)
   // fp8_ds_mla rows (mla_backend.cache_layout): bytes [0, r) e4m3, [ds_scale_off, +4 * tiles)
   // float32 tile scales, [ds_rope_off, ...) k_pe in q's dtype
   int64_t tiles = 0, ds_scale_off = 0, ds_rope_off = 0;
@@ -225,17 +225,18 @@ struct F32Engine {
     for (int c = 0; c < nt; ++c) {
       float* dst = K + static_cast<int64_t>(c) * D;
       const char* src = P.cache + offs[c];
-      if constexpr (kMode == kFp8) {  // value / 256 (the 256 is in the scales)
+      if constexpr (kMode == kFp8) {
         const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
         int64_t d = 0;
 #ifdef MLA_AVX512
+        const __m512 u = _mm512_set1_ps(kFp8Unscale);
         for (; d < D; d += 16) {
           const int64_t left = D - d;
           const __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-          _mm512_mask_storeu_ps(dst + d, k, fp8x16_to_f32_div256(s8 + d, k));
+          _mm512_mask_storeu_ps(dst + d, k, _mm512_mul_ps(fp8x16_to_f32_div256(s8 + d, k), u));
         }
 #endif
-        for (; d < D; ++d) dst[d] = fp8_to_f32(s8[d]) * (1.0f / kFp8Unscale);
+        for (; d < D; ++d) dst[d] = fp8_to_f32(s8[d]);
       } else if constexpr (kMode == kDs) {  // value * tile scale: fp32's rounding of v * s
         const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
         for (int64_t t = 0; t < P.tiles; ++t) {
@@ -391,8 +392,8 @@ struct F32Engine {
 // vertical (one max / exp / sum per kv row for 16 query rows), and the probabilities are
 // interleaved pairwise per row for P.V against the VNNI-packed tile.
 //
-// fp8 rows are decoded to bf16 = value / 256 exactly (fp8x32_to_bf16_div256; the 256 is in
-// the score / output scales). fp8_ds_mla rows likewise, with the scales applied in registers:
+// fp8 rows are decoded to their exact bf16 values (Fp8Bf16Table: byte shuffles only, so the
+// FP pipes stay with vdpbf16ps). fp8_ds_mla rows likewise, with the scales applied in registers:
 // the scores sum, per kv row, scale_t * (q_tile . fp8_tile) over the 128-value tiles plus
 // q_pe . k_pe (k_pe copied as stored); for P.V each probability is multiplied by its kv row's
 // tile scale before the bf16 rounding, one probability array per tile (a 64-column block of
@@ -407,7 +408,7 @@ struct Bf16Engine {
   uint16_t* Q;     // [kMaxRows][Dp] rows as loaded (zero padded)
   uint32_t* Qp;    // [Dp / 2][kMaxRows] bf16 pairs, rows in lanes
   uint16_t* Kd;    // [kTileN][Dp] decoded fp8 tile
-  float* scl;      // fp8_ds_mla: [kTileN + 8][tiles] 256 * tile scale per kv row (0: padding)
+  float* scl;      // fp8_ds_mla: [kTileN + 8][tiles] tile scale per kv row (0: padding)
   uint16_t* Vp;    // [kTileN / 2][2 * rp] VNNI-packed V
   uint32_t* PP;    // [tiles][kTileN / 2][kMaxRows] bf16 probability pairs per row
   float* St;       // [kTileN][kMaxRows] scores, rows in lanes
@@ -421,7 +422,7 @@ struct Bf16Engine {
     r2 = kMode == kDs ? round_up(r, 2) : r;
     Dq = r2 + p.rope;
     D2 = (Dq + 1) / 2;
-    Dp = round_up(Dq, 32);
+    Dp = round_up(Dq, kDecode ? 64 : 32);  // the decode writes whole 64-value blocks
     rp = round_up(r, 16);
     tiles = kMode == kDs ? p.tiles : 1;
     Q = tl_scratch.q.get<uint16_t>(kMaxRows * Dp + (Dp / 2) * kMaxRows * 2);
@@ -458,13 +459,18 @@ struct Bf16Engine {
         Qp[d2 * R + m] = reinterpret_cast<const uint32_t*>(Q + m * Dp)[d2];
   }
 
-  // fp8 bytes [0, n) of a row -> dst[0, round_up(n, 32)) bf16 value / 256 (zeros past n)
+  // fp8 bytes [0, n) of a row -> dst[0, round_up(n, 64)) exact bf16 (zeros past n)
   static inline void decode(uint16_t* dst, const uint8_t* s8, int64_t n) {
-    for (int64_t d = 0; d < n; d += 32) {
-      const int64_t left = n - d;
+#ifdef MLA_FP8_TABLE
+    static const Fp8Bf16Table tab;
+    tab.decode(dst, s8, n);
+#else
+    for (int64_t d = 0; d < round_up(n, 64); d += 32) {
+      const int64_t left = std::max<int64_t>(0, n - d);
       const __mmask32 msk = left >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << left) - 1);
-      _mm512_storeu_si512(dst + d, fp8x32_to_bf16_div256(s8 + d, msk));
+      _mm512_storeu_si512(dst + d, fp8x32_to_bf16(s8 + d, msk));
     }
+#endif
   }
 
   void load_tile(const int64_t* offs, int nt) {
@@ -476,13 +482,13 @@ struct Bf16Engine {
         rows[c] = dst;
       } else if constexpr (kMode == kDs) {
         uint16_t* dst = Kd + static_cast<int64_t>(c) * Dp;
-        decode(dst, reinterpret_cast<const uint8_t*>(src), r);  // zeros r .. round_up(r, 32)
+        decode(dst, reinterpret_cast<const uint8_t*>(src), r);  // zeros r .. round_up(r, 64)
         if (P.rope) std::memcpy(dst + r2, src + P.ds_rope_off, P.rope * 2);
         std::memset(dst + Dq, 0, (Dp - Dq) * 2);
         for (int64_t t = 0; t < tiles; ++t) {
           float st;
           std::memcpy(&st, src + P.ds_scale_off + 4 * t, 4);
-          scl[c * tiles + t] = st * kFp8Unscale;
+          scl[c * tiles + t] = st;
         }
         rows[c] = dst;
       } else {
@@ -1025,11 +1031,8 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   P.c_s0 = kv_cache.stride(0) * ces;
   P.c_s1 = kv_cache.stride(1) * ces;
   P.row_bytes = kv_cache.size(2) * ces;
-  // fp8 rows are decoded as value / 256 (kFp8Unscale): the 256 goes into the scales here
-  // (fp8_ds_mla: into each tile scale, in the engines)
-  const float unscale = fp8 ? kFp8Unscale : 1.0f;
-  P.score_scale = static_cast<float>(softmax_scale) * kvs * unscale;
-  P.out_scale = kvs * unscale;
+  P.score_scale = static_cast<float>(softmax_scale) * kvs;
+  P.out_scale = kvs;
   P.tiles = dsl.tiles;
   P.ds_scale_off = dsl.scale_off;
   P.ds_rope_off = dsl.rope_off;
@@ -1195,9 +1198,10 @@ void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const a
   });
 }
 
-// The kernels' e4m3 decode, exposed for its exactness test: uint8 [N] -> float32 [N] =
-// value / 256 (times 256 here) through the fp32 engine's path (bf16 = false) or the bf16
-// engine's (bf16 = true, where compiled in). NaN bytes (0x7f, 0xff) read as +-480.
+// The kernels' e4m3 decode, exposed for its exactness test: uint8 [N] -> float32 [N] through
+// the fp32 engine's path (bf16 = false: value / 256 via the fp16 bit trick, times 256 here) or
+// the bf16 engine's (bf16 = true, where compiled in: the byte tables). NaN bytes (0x7f, 0xff)
+// read as +-480.
 at::Tensor fp8_decode(const at::Tensor& bytes_in, bool bf16) {
   TORCH_CHECK(bytes_in.scalar_type() == at::kByte && bytes_in.device().is_cpu(),
               "fp8_decode takes a CPU uint8 tensor, got ", bytes_in.scalar_type());
@@ -1208,15 +1212,10 @@ at::Tensor fp8_decode(const at::Tensor& bytes_in, bool bf16) {
   float* dst = out.data_ptr<float>();
   int64_t d = 0;
 #ifdef MLA_AVX512BF16
-  if (bf16) {
-    for (; d < n; d += 32) {
-      const int64_t left = n - d;
-      const __mmask32 m = left >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << left) - 1);
-      alignas(64) uint16_t tmp[32];
-      _mm512_store_si512(tmp, fp8x32_to_bf16_div256(src + d, m));
-      for (int64_t k = 0; k < std::min<int64_t>(32, left); ++k)
-        dst[d + k] = static_cast<float>(c10::BFloat16(tmp[k], c10::BFloat16::from_bits())) * kFp8Unscale;
-    }
+  if (bf16 && n > 0) {
+    std::vector<uint16_t> tmp(round_up(n, 64));
+    Bf16Engine<kFp8>::decode(tmp.data(), src, n);
+    for (; d < n; ++d) dst[d] = static_cast<float>(c10::BFloat16(tmp[d], c10::BFloat16::from_bits()));
   }
 #endif
 #ifdef MLA_AVX512

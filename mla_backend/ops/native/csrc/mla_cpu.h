@@ -77,29 +77,15 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// 16 fp8 e4m3fn bytes -> 16 exact floats (no NaN handling: 0x7f/0xff decode as +-480).
-// Integer-only for normals, so flush-to-zero / denormals-are-zero modes cannot change it.
-inline __m512 fp8x16_to_f32(const uint8_t* p) {
-  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-  __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  // normal: exponent bias 7 -> 127
-  __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
-  // subnormal (exponent 0): m * 2^-9
-  __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
-  __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
-  __m512i v = _mm512_mask_mov_epi32(normal, is_sub, _mm512_castps_si512(sub));
-  return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
-}
-
-// The cheap e4m3 decode: a sign-extended e4m3 byte shifted left by 7 and masked with 0xBF80
-// is the fp16 whose sign is the byte's sign, whose 5-bit exponent field is the byte's 4-bit one
-// and whose top 3 mantissa bits are the byte's: for a normal byte (exponent e >= 1) that is
-// 2^(e-15) * 1.m = value * 2^-8, for a subnormal one (e = 0) the fp16 subnormal m * 2^-17 =
-// value * 2^-8 as well. So every e4m3 value (NaN bytes 0x7f/0xff excepted: they read as
-// +-480 * 2^-8) becomes exactly value / 256 in fp16, and vcvtph2ps (AVX-512F; exact for fp16
-// subnormals whatever MXCSR.DAZ says) widens it to fp32. The callers fold the factor 256 into
-// a scale (score scale, tile scale, output scale) instead of multiplying every value.
+// The cheap e4m3 -> fp32 decode: a sign-extended e4m3 byte shifted left by 7 and masked with
+// 0xBF80 is the fp16 whose sign is the byte's sign, whose 5-bit exponent field is the byte's
+// 4-bit one and whose top 3 mantissa bits are the byte's: for a normal byte (exponent e >= 1)
+// that is 2^(e-15) * 1.m = value * 2^-8, for a subnormal one (e = 0) the fp16 subnormal
+// m * 2^-17 = value * 2^-8 as well. So every e4m3 value (NaN bytes 0x7f/0xff excepted: they
+// read as +-480 * 2^-8) becomes exactly value / 256 in fp16, and vcvtph2ps (AVX-512F; exact for
+// fp16 subnormals whatever MXCSR.DAZ says) widens it to fp32. The fp32 engine multiplies by 256
+// (per-tensor fp8) or by 256 x the tile scale (fp8_ds_mla: the same real number as value x
+// scale, so the same fp32 rounding).
 constexpr float kFp8Unscale = 256.0f;
 
 // 16 e4m3 bytes (mask selects the bytes read; the others decode as +0) -> 16 floats =
@@ -109,18 +95,6 @@ inline __m512 fp8x16_to_f32_div256(const uint8_t* p, __mmask16 mask) {
   x = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
   return _mm512_cvtph_ps(x);
 }
-
-#ifdef __AVX512BF16__
-// 32 e4m3 bytes (mask as above) -> 32 bf16 = value / 256 exactly (3 mantissa bits and an
-// exponent in [-17, 1] fit bf16, so the fp32 -> bf16 step does not round).
-inline __m512i fp8x32_to_bf16_div256(const uint8_t* p, __mmask32 mask) {
-  __m512i x = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, p));
-  x = _mm512_and_si512(_mm512_slli_epi16(x, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
-  __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(x));
-  __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-#endif
 
 // 32 fp8 e4m3fn bytes -> 32 exact bf16 (as uint16 lanes). `mask` selects the bytes to read
 // (the others decode as +0).
