@@ -313,6 +313,8 @@ def make_tiny_deepseek_v2(
     init_std: float = 0.08,
     dtype: str = "bfloat16",
     kv_a_norm_span: tuple[float, float] | None = None,
+    kv_a_norm_order: str = "random",
+    kv_a_norm_compensate: bool = False,
 ) -> Path:
     """Write a tiny random DeepSeek-V2 model folder at ``path`` and return it.
 
@@ -329,6 +331,17 @@ def make_tiny_deepseek_v2(
     log-spaced from ``lo`` to ``hi``, in a random channel order (seeded), instead of ~1:
     cached latents whose magnitudes vary by ``hi / lo`` across channels (stresses a
     per-tensor fp8 cache). Weights other than those gains are unchanged.
+
+    ``kv_a_norm_order`` (with ``kv_a_norm_span``): ``"random"`` (the default, above) or
+    ``"sorted"``: the gains ascend with the channel index, so the latent's consecutive
+    channels (``fp8_ds_mla``'s tiles of 128) each hold one slice of the range, as when a
+    checkpoint's gains are grouped by magnitude rather than spread uniformly.
+    ``kv_a_norm_compensate=True`` (with ``kv_a_norm_span``) also divides column ``i`` of every
+    ``kv_b_proj`` by gain ``i``: the model computes exactly what it computes with all those
+    gains 1 (up to rounding), but the cached latent channels span ``hi / lo`` in magnitude
+    and every channel matters to attention as much as any other (without compensation the
+    small channels barely contribute, so losing them costs little). The defaults leave the
+    files byte-identical to those written before these options existed.
     """
     import torch
     from safetensors.torch import save_file
@@ -384,11 +397,19 @@ def make_tiny_deepseek_v2(
         lo, hi = (float(x) for x in kv_a_norm_span)
         if not 0 < lo <= hi:
             raise ValueError(f"kv_a_norm_span={kv_a_norm_span} must satisfy 0 < lo <= hi")
+        if kv_a_norm_order not in ("random", "sorted"):
+            raise ValueError(f"kv_a_norm_order={kv_a_norm_order!r} must be random or sorted")
         gen = torch.Generator().manual_seed(seed + 7919)
         for i in range(num_layers):
             gains = torch.logspace(math.log10(lo), math.log10(hi), kv_lora_rank)
-            perm = torch.randperm(kv_lora_rank, generator=gen)
-            raw[f"model.layers.{i}.self_attn.kv_a_layernorm.weight"] = gains[perm]
+            if kv_a_norm_order == "random":
+                gains = gains[torch.randperm(kv_lora_rank, generator=gen)]
+            a = f"model.layers.{i}.self_attn."
+            raw[a + "kv_a_layernorm.weight"] = gains
+            if kv_a_norm_compensate:
+                raw[a + "kv_b_proj.weight"] = raw[a + "kv_b_proj.weight"] / gains
+    elif kv_a_norm_order != "random" or kv_a_norm_compensate:
+        raise ValueError("kv_a_norm_order / kv_a_norm_compensate need kv_a_norm_span")
     weights = {k: t.to(torch_dtype).contiguous() for k, t in raw.items()}
 
     out = Path(path)

@@ -19,14 +19,71 @@ Log-probs compared: every prompt token after the first (``prompt_logprobs``: the
 reads the latents back from the cache) and every greedy token (``logprobs``: decode steps),
 each against the oracle's log-softmax along the same sequence (teacher forcing).
 
-Checkpoints: ``standard`` (RMSNorm gains ~1) and ``stressed`` (every ``kv_a_layernorm`` gain
-log-spaced over 0.05..20 in random channel order: cached latents spanning 400x in magnitude).
+Checkpoints (``make_tiny_deepseek_v2``, seeds 31, 32, ...; c_kv = ``kv_a_layernorm``'s output):
 
-Targets (issue 10): ``fp8_ds_mla``'s max |log-prob error| at most half of per-tensor fp8's,
-and greedy tokens equal to the bf16 cache's on the standard prompts. The measured numbers are
+* ``standard``: RMSNorm gains ~1 (|c_kv| <= ~5);
+* ``stressed``: every ``kv_a_layernorm`` gain log-spaced over 0.05..20 in random channel
+  order (the issue's example; |c_kv| up to ~80);
+* ``wide_grouped``: gains log-spaced over 1e-3..1e3 ascending with the channel index
+  (``kv_a_norm_order="sorted"``: each 128-value tile holds a quarter of the range) and every
+  ``kv_b_proj`` column divided by its gain (``kv_a_norm_compensate``): the model computes
+  what it computes with gains 1, but its cached c_kv spans ~1e-4..3.5e3, beyond e4m3's range
+  at scale 1.0 on both sides (25% of the values below 2^-6, 4% above 448), and every channel
+  matters as much to attention. This checkpoint is CONSTRUCTED to show what the tile format
+  is for (channel-grouped magnitudes, no calibrated ``k_scale``); it says nothing about the
+  gains of any real checkpoint;
+* below the engine only (no vLLM, c_kv of the fp32 model): ``stressed_sorted`` (stressed's
+  gains ascending) and ``wide_scattered`` (wide_grouped's in random channel order).
+
+Why the tile scales rarely help (measured below the engine here and by
+benchmarks/fp8_accuracy.py, which also feeds the quantized latents back into the fp32 model):
+e4m3 rounds to 3 mantissa bits whatever the scale while a value stays in its normal range
+(2^-6..448 times the scale): the per-value relative error of c_kv has median 0.022 in both
+formats on standard, stressed and stressed_sorted, and under 0.6% of the values are off by
+more than 25%. A tile scale only rescues values that per-tensor scale 1.0 flushes to
+subnormals/zero or saturates, and only if the tile's values share a range: on wide_grouped
+per-tensor fp8 loses 11.9% of the values (off by > 25%), ``fp8_ds_mla`` 0.01%; on
+wide_scattered every tile spans the whole range, its scale is the row's (max / 448, ~5-8), and
+``fp8_ds_mla`` loses 16.4% (more than per-tensor's 12.0%; mean log-prob error 1.1-1.3x
+per-tensor's). Elsewhere its one advantage is k_pe kept in bf16 (per-tensor fp8 rounds k_pe
+too: median 0.022): on standard/stressed mean error 7-16% lower, max error within rounding
+luck of per-tensor's (ds max / fp8 max, fp32 model below the engine, seeds +0/+10/+20:
+0.82-1.15x standard, 0.75-0.97x stressed, 0.75-1.47x stressed_sorted, 0.14-0.18x
+wide_grouped, 1.00-1.74x wide_scattered).
+
+Measured (bf16 model, 2026-11-22, 4 prompts of 180/40/7/95 tokens + 12 greedy tokens each;
+identical in two runs)::
+
+    checkpoint    cache        B/token/layer  max    mean   ds max / fp8 max
+    standard      auto (bf16)  1152           0.293  0.061
+    standard      fp8           576           1.155  0.251
+    standard      fp8_ds_mla    656           0.908  0.233  0.79
+    stressed      auto (bf16)  1152           1.782  0.182
+    stressed      fp8           576           4.582  0.726
+    stressed      fp8_ds_mla    656           3.829  0.635  0.84
+    wide_grouped  auto (bf16)  1152           0.410  0.065
+    wide_grouped  fp8           576           5.702  1.574
+    wide_grouped  fp8_ds_mla    656           1.030  0.244  0.18
+
+Targets (issue 10): ``fp8_ds_mla``'s max |log-prob error| at most half of per-tensor fp8's:
+met on wide_grouped (0.18x, asserted), NOT met on standard (0.79x) or stressed (0.84x), where
+both formats have the same precision. Greedy tokens equal to the bf16 cache's on the standard
+prompts: NOT met, by either fp8 cache: per-tensor fp8 differs in 33 of 48 generated tokens
+(first differences at tokens 7/3/5/0 of the 4 prompts), ``fp8_ds_mla`` in 34 of 48 (tokens
+2/1/7/4); the bf16 cache's top-1/top-2 margin at those first differences is 0.06-0.44 (bf16
+logits: multiples of 1/16), below both caches' max errors (1.16, 0.91) and below the median
+margin of all 48 decode steps (0.75): the random tiny model has near-ties everywhere (the bf16
+cache itself is 0.29 off fp32), and a 3-bit mantissa on c_kv moves them.
+
+Tests: the engine's KV bytes per token (1152/576/656); below the engine, equal median c_kv
+error of both formats on the in-range checkpoints and the lost shares of wide_grouped and
+wide_scattered; ``fp8_ds_mla`` max <= 0.5x per-tensor fp8's on wide_grouped (and <= 1.5x its
+standard error); on every engine checkpoint ``fp8_ds_mla``'s mean error below per-tensor's and
+its max <= 1.25x per-tensor's; every first greedy difference from the bf16 cache at a margin
+below that cache's max error; the bf16 cache's error on standard <= 0.5. The numbers are
 printed (``pytest -s``) and recorded in integrations/vllm/README.md.
 
-One engine at a time; six engines in all (about 4-8 minutes on the shared 2-core machine).
+One engine at a time; nine engines in all (about 8 minutes on the shared 2-core machine).
 """
 
 from __future__ import annotations
@@ -39,12 +96,32 @@ import pytest
 import torch
 from conftest import HFOracle, make_llm, shutdown
 
+from mla_backend.cache_layout import CacheLayout
+from mla_backend.fp8 import FP8_DTYPE, FP8_MAX
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
 
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "standard": dict(PRESETS["default"]),
     "stressed": dict(PRESETS["default"], kv_a_norm_span=(0.05, 20.0)),
+    # constructed to show what the tile scales are for (see the module docstring)
+    "wide_grouped": dict(
+        PRESETS["default"],
+        kv_a_norm_span=(1e-3, 1e3),
+        kv_a_norm_order="sorted",
+        kv_a_norm_compensate=True,
+    ),
 }
+#: below the engine only (no vLLM): the same range as wide_grouped in random channel order
+LATENT_ONLY: dict[str, dict[str, Any]] = {
+    "stressed_sorted": dict(
+        PRESETS["default"], kv_a_norm_span=(0.05, 20.0), kv_a_norm_order="sorted"
+    ),
+    "wide_scattered": dict(
+        PRESETS["default"], kv_a_norm_span=(1e-3, 1e3), kv_a_norm_compensate=True
+    ),
+}
+#: every checkpoint's seed (make_tiny_deepseek_v2's ``seed``): 31, 32, ... in this order
+SEEDS = {name: 31 + i for i, name in enumerate([*CHECKPOINTS, *LATENT_ONLY])}
 CACHES = ("auto", "fp8", "fp8_ds_mla")  # auto = the model's dtype
 #: vLLM's model dtype; MLA_FP8_ACCURACY_DTYPE=float32 measures the cache formats alone
 #: (auto = fp32 cache; fp8_ds_mla then keeps k_pe in fp32: 784 B per token and layer)
@@ -56,6 +133,79 @@ MAX_NEW = 12
 def _prompts(seed: int = 21, vocab: int = 10240) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+# -- the two fp8 formats' values, with the core's quantizers (below the engine) -------------
+
+
+def fp8_per_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The per-tensor fp8 cache's value of ``x`` (scale 1.0; the writer clamps to +-448)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float().to(x.dtype)
+
+
+def fp8_ds_mla_ckv(x: torch.Tensor) -> torch.Tensor:
+    """``fp8_ds_mla``'s value of c_kv [..., r]: the core's ``CacheLayout.pack``/``unpack``
+    (per token, tiles of 128 values, each with its own float32 scale)."""
+    r = x.shape[-1]
+    layout = CacheLayout.ds_mla(r, 0, torch.float32)
+    flat = x.reshape(-1, r).float()
+    return layout.unpack(layout.pack(flat, flat[:, :0]), torch.float32).view(x.shape).to(x.dtype)
+
+
+@torch.no_grad()
+def oracle_latents(oracle: HFOracle, prompts: list[list[int]]) -> torch.Tensor:
+    """c_kv (``kv_a_layernorm``'s output) of every prompt token and layer: [tokens, r]."""
+    got: list[torch.Tensor] = []
+    hooks = [
+        layer.self_attn.kv_a_layernorm.register_forward_hook(
+            lambda _m, _i, out: got.append(out.reshape(-1, out.shape[-1]).detach())
+        )
+        for layer in oracle.model.model.layers
+    ]
+    try:
+        for p in prompts:
+            oracle.model(torch.tensor([p]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat(got).float()
+
+
+def latent_errors(c_kv: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per-value relative error ``|deq - x| / |x|`` of c_kv in each fp8 format: median, and
+    the share "lost" (off by more than 25%: flushed towards zero or saturated)."""
+    nz = c_kv != 0
+    out = {}
+    for fmt, quant in (("fp8", fp8_per_tensor), ("fp8_ds_mla", fp8_ds_mla_ckv)):
+        rel = (quant(c_kv) - c_kv).abs()[nz] / c_kv.abs()[nz]
+        out[fmt] = {"median": rel.median().item(), "lost": (rel > 0.25).float().mean().item()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8_accuracy")
+    return {
+        name: make_tiny_deepseek_v2(root / name, dtype="float32", seed=SEEDS[name], **kw)
+        for name, kw in {**CHECKPOINTS, **LATENT_ONLY}.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def latents(checkpoints: dict[str, Path]) -> dict[str, dict[str, dict[str, float]]]:
+    """{checkpoint: {format: {"median", "lost"}}} on the transformers fp32 model's c_kv."""
+    result = {}
+    for name, path in checkpoints.items():
+        result[name] = latent_errors(oracle_latents(HFOracle(path), _prompts()))
+    print("\nc_kv per-value relative error |deq - x| / |x| (transformers fp32 latents)")
+    print(f"{'checkpoint':>15} | {'format':>10} | {'median':>7} | lost (> 25%)")
+    for name, per in result.items():
+        for fmt, m in per.items():
+            print(f"{name:>15} | {fmt:>10} | {m['median']:7.4f} | {m['lost']:.2%}")
+    return result
+
+
+# -- end to end through vLLM ----------------------------------------------------------------
 
 
 def kv_bytes_per_token_layer(llm: Any) -> int:
@@ -75,8 +225,8 @@ def kv_bytes_per_token_layer(llm: Any) -> int:
 
 
 def _run(model: Path, cache: str, prompts: list[list[int]]) -> tuple[list[Any], int]:
-    """vLLM outputs (greedy, log-probs of prompt and generated tokens) and the KV bytes per
-    token and layer of the engine's cache."""
+    """vLLM outputs (greedy; log-probs of the prompt tokens, and the top 2 of every decode
+    step with the generated token's) and the KV bytes per token and layer of the cache."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -95,7 +245,7 @@ def _run(model: Path, cache: str, prompts: list[list[int]]) -> tuple[list[Any], 
             max_tokens=MAX_NEW,
             temperature=0.0,
             ignore_eos=True,
-            logprobs=0,
+            logprobs=2,
             prompt_logprobs=0,
             detokenize=False,
         )
@@ -118,53 +268,87 @@ def _errors(oracle: HFOracle, prompt: list[int], out: Any) -> torch.Tensor:
     return (torch.tensor(got, dtype=torch.float64) - ref.double()).abs()
 
 
+def _margins(out: Any) -> list[float]:
+    """Top-1 minus top-2 log-prob (= logit margin) of every decode step."""
+    res = []
+    for lp in out.outputs[0].logprobs:
+        top = sorted((v.logprob for v in lp.values()), reverse=True)
+        res.append(top[0] - top[1])
+    return res
+
+
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """{checkpoint: {cache: {"max", "mean", "tokens", "bytes"}}} (six engines, one at a time)."""
-    root = tmp_path_factory.mktemp("fp8_accuracy")
+def measured(checkpoints: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """{checkpoint: {cache: {"max", "mean", "err", "tokens", "margins", "bytes"}}}: three
+    engines per checkpoint of CHECKPOINTS, one at a time."""
     prompts = _prompts()
     result: dict[str, dict[str, Any]] = {}
-    for i, (name, kw) in enumerate(CHECKPOINTS.items()):
-        model = make_tiny_deepseek_v2(root / name, dtype="float32", seed=31 + i, **kw)
-        oracle = HFOracle(model)
+    for name in CHECKPOINTS:
+        oracle = HFOracle(checkpoints[name])
         result[name] = {}
         for cache in CACHES:
-            outs, nbytes = _run(model, cache, prompts)
-            err = torch.cat([_errors(oracle, p, o) for p, o in zip(prompts, outs, strict=True)])
+            outs, nbytes = _run(checkpoints[name], cache, prompts)
+            errs = [_errors(oracle, p, o) for p, o in zip(prompts, outs, strict=True)]
+            err = torch.cat(errs)
             result[name][cache] = {
                 "max": err.max().item(),
                 "mean": err.mean().item(),
+                "err": errs,
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "margins": [_margins(o) for o in outs],
                 "bytes": nbytes,
             }
         del oracle
     print(f"\nteacher-forced |log-prob error| vs transformers fp32 (vLLM {MODEL_DTYPE} model)")
-    print(f"{'checkpoint':>10} | {'cache':>10} | {'KV B/token/layer':>16} | {'max':>9} | mean")
+    print(f"{'checkpoint':>12} | {'cache':>10} | {'KV B/token/layer':>16} | {'max':>9} | mean")
     for name, per_cache in result.items():
         for cache, m in per_cache.items():
             print(
-                f"{name:>10} | {cache:>10} | {m['bytes']:16d} | {m['max']:9.2e} | {m['mean']:.2e}"
+                f"{name:>12} | {cache:>10} | {m['bytes']:16d} | {m['max']:9.3f} | {m['mean']:.3f}"
             )
+        r = per_cache["fp8_ds_mla"]["max"] / per_cache["fp8"]["max"]
+        print(f"{name:>12} | fp8_ds_mla max / fp8 max = {r:.2f}")
+    print("greedy tokens vs the bf16 cache's (standard): first difference per prompt")
+    print(greedy_report(result["standard"]))
     return result
 
 
-# Measured (bf16 model, 2026-11-22, 4 prompts of 180/40/7/95 tokens + 12 greedy tokens each):
-#   checkpoint  cache       B/token/layer  max     mean
-#   standard    auto (bf16) 1152           0.293   0.061
-#   standard    fp8          576           1.16    0.251
-#   standard    fp8_ds_mla   656           0.953   0.239
-#   stressed    auto (bf16) 1152           1.78    0.182
-#   stressed    fp8          576           4.58    0.726
-#   stressed    fp8_ds_mla   656           4.22    0.641
-# fp8_ds_mla is better than per-tensor fp8 on every figure, but not by 2x on the max: the
-# bf16 model's own error (the auto row) is of the same order, and greedy continuations of
-# these random tiny models flip on near-ties. The issue's two targets (max error <= 0.5x
-# per-tensor fp8's; greedy tokens equal to the bf16 cache's) are NOT met with these numbers;
-# what holds is asserted.
-# With an fp32 model (MLA_FP8_ACCURACY_DTYPE=float32: the cache format alone):
-#   standard  auto (fp32) 2304 4.6e-5 / 6.9e-6; fp8 576 0.961 / 0.232; fp8_ds_mla 784 0.937 / 0.218
-#   stressed  auto (fp32) 2304 1.2e-4 / 1.8e-5; fp8 576 3.92 / 0.707;  fp8_ds_mla 784 3.41 / 0.601
-# so the fp8 error is e4m3's 3-bit mantissa on c_kv, which per-tile scales do not reduce.
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def greedy_report(per_cache: dict[str, Any]) -> str:
+    """Per fp8 cache and prompt: the first generated position whose token differs from the
+    bf16 cache's, the bf16 run's top-1/top-2 margin there and this cache's teacher-forced
+    |log-prob error| at that position (the prefixes agree up to it); and the bf16 run's
+    margins over every decode step."""
+    ref = per_cache["auto"]
+    margins = torch.tensor([x for ms in ref["margins"] for x in ms])
+    lines = [
+        f"  bf16-cache top-1/top-2 margins over all {margins.numel()} decode steps: "
+        f"min {margins.min():.3f}, median {margins.median():.3f}, max {margins.max():.3f}; "
+        + ", ".join(
+            f"{(margins < per_cache[c]['max']).float().mean():.0%} below {c}'s max error"
+            for c in ("fp8", "fp8_ds_mla")
+        )
+    ]
+    for cache in ("fp8", "fp8_ds_mla"):
+        m = per_cache[cache]
+        for i, (a, b) in enumerate(zip(ref["tokens"], m["tokens"], strict=True)):
+            j = first_difference(a, b)
+            if j is None:
+                lines.append(f"  {cache:>10} prompt {i}: all {len(a)} tokens equal")
+                continue
+            gen_err = m["err"][i][PROMPT_LENS[i] - 1 + j].item()
+            lines.append(
+                f"  {cache:>10} prompt {i}: first differs at token {j} "
+                f"({sum(x != y for x, y in zip(a, b, strict=True))} of {len(a)} differ); "
+                f"bf16-cache margin there {ref['margins'][i][j]:.3f}, "
+                f"this cache's |log-prob error| there {gen_err:.3f}"
+            )
+    return "\n".join(lines)
+
+
 _WIDTH = {"bfloat16": (1152, 576, 656), "float32": (2304, 576, 784)}
 
 
@@ -174,11 +358,48 @@ def test_kv_bytes_per_token_the_engine_allocates(measured) -> None:
     assert got == dict(zip(CACHES, _WIDTH[MODEL_DTYPE], strict=True))
 
 
+def test_latents_same_precision_in_range_tiles_keep_what_per_tensor_loses(latents) -> None:
+    for name in ("standard", "stressed", "stressed_sorted"):
+        fp8, ds = latents[name]["fp8"], latents[name]["fp8_ds_mla"]
+        # in e4m3's normal range both formats round to 3 mantissa bits: same median error
+        assert abs(ds["median"] - fp8["median"]) <= 0.15 * fp8["median"], name
+        assert fp8["lost"] < 0.02 and ds["lost"] < 0.02, name
+    # 1e-3..1e3 grouped by tile: per-tensor (scale 1) flushes the small channels and
+    # saturates the large ones, every tile's own scale keeps them all
+    assert latents["wide_grouped"]["fp8"]["lost"] > 0.08
+    assert latents["wide_grouped"]["fp8_ds_mla"]["lost"] < 0.002
+    # the same values scattered: each tile spans the whole range, so its scale is the row's
+    # and its smallest values are flushed too
+    assert latents["wide_scattered"]["fp8_ds_mla"]["lost"] > 0.1
+
+
+def test_ds_mla_max_error_at_most_half_per_tensor_fp8s_where_tiles_help(measured) -> None:
+    m = measured["wide_grouped"]
+    assert m["fp8_ds_mla"]["max"] <= 0.5 * m["fp8"]["max"]
+    # and no worse than on the standard checkpoint: the range no longer matters
+    assert m["fp8_ds_mla"]["max"] <= 1.5 * measured["standard"]["fp8_ds_mla"]["max"]
+
+
 @pytest.mark.parametrize("checkpoint", sorted(CHECKPOINTS))
-def test_ds_mla_is_more_accurate_than_per_tensor_fp8(measured, checkpoint) -> None:
+def test_ds_mla_no_worse_than_per_tensor_fp8(measured, checkpoint) -> None:
     m = measured[checkpoint]
-    assert m["fp8_ds_mla"]["max"] < m["fp8"]["max"]
+    # k_pe exact: less error on average; the max of ~360 rounding draws of the same
+    # relative precision may come out either way (seeds 40-42 below the engine: 0.92-1.15x)
     assert m["fp8_ds_mla"]["mean"] < m["fp8"]["mean"]
+    assert m["fp8_ds_mla"]["max"] <= 1.25 * m["fp8"]["max"]
+
+
+def test_greedy_tokens_leave_the_bf16_caches_only_at_near_ties(measured) -> None:
+    """The issue's target (greedy tokens equal to the bf16 cache's on the standard prompts)
+    is not met by either fp8 cache (module docstring); what holds: every prompt's first
+    difference is at a step where the bf16 cache's own top-1/top-2 margin is below that fp8
+    cache's measured max log-prob error (a confident step flipping would fail this)."""
+    per = measured["standard"]
+    for cache in ("fp8", "fp8_ds_mla"):
+        for i, (a, b) in enumerate(zip(per["auto"]["tokens"], per[cache]["tokens"], strict=True)):
+            j = first_difference(a, b)
+            if j is not None:
+                assert per["auto"]["margins"][i][j] < per[cache]["max"], (cache, i, j)
 
 
 def test_model_dtype_cache_error_on_the_standard_checkpoint(measured) -> None:
