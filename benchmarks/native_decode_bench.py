@@ -2,10 +2,12 @@
 core's torch path and, when vLLM is importable, vLLM's CPU MLA decode kernel
 (``torch.ops._C.decode_attention_cpu``, sgl-kernel's, AMX where the CPU has it) on the same cache.
 
-bf16 and fp8 (e4m3 + scale) caches, page 64, r 512 + rope 64, shuffled pages, one new token per
-request. Kernels are timed interleaved (round-robin, best of N). The roofline is measured in the
-same run: peak bf16 matmul FLOP/s and streaming read bandwidth; each kernel's fraction is of
-min(peak, intensity x bandwidth) with the bytes of its own cache dtype.
+bf16, fp8 (e4m3 + per-tensor scale, 576 B/token) and fp8_ds_mla (e4m3 tiles of 128 with a
+float32 scale each, rope in bf16: 656 B/token) caches, page 64, r 512 + rope 64, shuffled pages,
+one new token per request. Kernels are timed interleaved (round-robin, best of N). The roofline
+is measured in the same run: peak bf16 matmul FLOP/s and streaming read bandwidth; each
+kernel's fraction is of min(peak, intensity x bandwidth) with the bytes per token of its own
+cache layout (1152 / 576 / 656).
 
     python benchmarks/native_decode_bench.py [--quick] [--heads 16,128] [--batches 1,8,32]
         [--lens 1024,4096,16384] [--rounds 3] [--mem-gib 8]
@@ -27,10 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_table
 
 import mla_backend as mb
+from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops import native
 
 FP8 = torch.float8_e4m3fn
 R, ROPE, PAGE = 512, 64, 64
+DS = CacheLayout.ds_mla(R, ROPE, torch.bfloat16)  # 656 bytes per token
+BYTES_PER_TOKEN = {"bf16": (R + ROPE) * 2, "fp8": R + ROPE, "ds": DS.bytes_per_token}
 
 
 def vllm_kernel():
@@ -98,11 +103,14 @@ def run_shape(H, B, L, _peak, _bw, rounds, min_time, vk, torch_max_tokens):
     scale = 1.0 / (192**0.5)
     cache32, table, q_lat, q_pe = make_problem(H, B, L)
     kv_scale = torch.tensor(cache32.abs().max().item() / 448.0)
+    rows32 = cache32.view(-1, R + ROPE)
     caches = {
         "bf16": (cache32.bfloat16(), None),
         "fp8": ((cache32 / kv_scale).clamp(-448, 448).to(FP8), kv_scale),
+        # fp8_ds_mla rows written by the core's torch writer (bit-identical to the native one)
+        "ds": (DS.pack(rows32[:, :R], rows32[:, R:]).view(*cache32.shape[:2], -1), None),
     }
-    del cache32
+    del cache32, rows32
     cu = torch.arange(B + 1, dtype=torch.int32)
     kvl = torch.full((B,), L, dtype=torch.int32)
     dims = mb.MLADims(H, R, 128, ROPE, 128)
@@ -115,7 +123,7 @@ def run_shape(H, B, L, _peak, _bw, rounds, min_time, vk, torch_max_tokens):
         fns[f"native_{name}"] = lambda c=cache, s=ks: native.absorbed_attention(
             q_lat, q_pe, c, table, cu, kvl, scale, s
         )
-        if B * L <= torch_max_tokens:
+        if B * L <= torch_max_tokens and name != "ds":
             fns[f"torch_{name}"] = lambda c=cache, s=ks: mb.absorbed_attention(
                 q_lat, q_pe, c, plan_t, scale, s
             )
@@ -156,6 +164,10 @@ def run_shape(H, B, L, _peak, _bw, rounds, min_time, vk, torch_max_tokens):
         o_n, _ = fns["native_bf16"]()
         diff = (out.float() - o_n.float()).abs().max().item()
         assert diff < 5e-2, f"vLLM kernel disagrees with native by {diff}"
+    # and the ds cache's output is the bf16 one up to the tile quantization
+    o_ds, _ = fns["native_ds"]()
+    diff = (fns["native_bf16"]()[0].float() - o_ds.float()).abs().max().item()
+    assert diff < 0.1, f"native fp8_ds_mla output differs from bf16 by {diff}"
     # the roofline, timed in the same interleaved rounds (the machine is shared: its load
     # moves during a run, so each shape is judged against the roofline of its own rounds)
     fns["_peak"] = lambda: torch.mm(_ROOF["a"], _ROOF["b"])
@@ -166,8 +178,7 @@ def run_shape(H, B, L, _peak, _bw, rounds, min_time, vk, torch_max_tokens):
     flops = 2 * H * L * (2 * R + ROPE) * B
     out = {"_roof": (peak, bw)}
     for k, t in times.items():
-        esize = 1 if k.endswith("fp8") else 2
-        nbytes = B * L * (R + ROPE) * esize
+        nbytes = B * L * BYTES_PER_TOKEN[k.rsplit("_", 1)[1]]
         roof = max(flops / peak, nbytes / bw)
         out[k] = (t, roof / t)
     return out
@@ -216,11 +227,13 @@ def main() -> None:
     if vk is not None:
         header += ["vLLM bf16 ms", "roof", "vs vLLM"]
     header += ["native fp8 ms", "roof", "fp8 vs bf16", "torch fp8 ms", "fp8 vs torch"]
+    header += ["native ds ms", "roof", "ds vs bf16", "ds vs fp8"]
     rows, roofs = [], []
     for H in heads:
         for B in batches:
             for L in lens:
-                gib = B * L * (R + ROPE) * (4 + 2 + 1) / 2**30  # fp32 source + both caches
+                # fp32 source + the three caches + the ds packing's temporaries
+                gib = B * L * ((R + ROPE) * (4 + 2 + 1) + DS.width + 2 * R * 4) / 2**30
                 if gib > args.mem_gib:
                     continue
                 res = run_shape(
@@ -253,6 +266,13 @@ def main() -> None:
                     f"{tf[0] * 1e3:.3f}",
                     f"{tf[0] / nf[0]:.2f}x",
                 ]
+                nd = res["native_ds"]
+                row += [
+                    f"{nd[0] * 1e3:.3f}",
+                    f"{nd[1]:.0%}",
+                    f"{nb[0] / nd[0]:.2f}x",
+                    f"{nf[0] / nd[0]:.2f}x",
+                ]
                 rows.append(row)
                 print(" | ".join(row), flush=True)
     load1 = os.getloadavg()
@@ -263,7 +283,11 @@ def main() -> None:
         "bf16 matmul; skinny matmul streaming 256 MiB): peak "
         f"{min(pk) / 1e12:.3f}..{max(pk) / 1e12:.3f} TFLOP/s, read bandwidth "
         f"{min(bws) / 1e9:.2f}..{max(bws) / 1e9:.2f} GB/s over the run; roof = fraction of "
-        "min(peak, intensity x bw) (fp8 rows count 1 byte per cached element)",
+        "min(peak, intensity x bw) with each layout's bytes per token (bf16 1152, fp8 576, "
+        f"fp8_ds_mla {DS.bytes_per_token})",
+        "ds = fp8_ds_mla cache (uint8 rows: e4m3 tiles of 128 + float32 tile scale, rope bf16), "
+        "native kernel only (scales applied in registers); ds vs bf16 / ds vs fp8 = time ratio "
+        "(> 1: ds faster)",
         f"native engine: {native.simd_level()}; kernels timed interleaved, best of "
         f"{args.rounds} rounds of >= {args.min_time}s each",
         "torch = the core's torch path (mb.absorbed_attention with a plan for impl='torch', "
