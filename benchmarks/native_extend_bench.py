@@ -261,7 +261,9 @@ def main() -> None:
         "(vLLM diff = max |o_vLLM - o_native|)"
         if vk is not None
         else "vLLM not importable in this environment",
-        "vs vLLM / vs torch = their time / native bf16 time (> 1: ours faster)",
+        "vs vLLM / vs torch = their time / native bf16 time (> 1: ours faster); on a loaded "
+        "machine a roof above 100% means the probes of that shape were slowed more than the "
+        "kernel (compare ratios within a row, not fractions across runs)",
         f"load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (machine shared; "
         f"{os.cpu_count()} CPUs)",
     ]
