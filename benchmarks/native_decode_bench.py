@@ -228,6 +228,8 @@ def main() -> None:
         header += ["vLLM bf16 ms", "roof", "vs vLLM"]
     header += ["native fp8 ms", "roof", "fp8 vs bf16", "torch fp8 ms", "fp8 vs torch"]
     header += ["native ds ms", "roof", "ds vs bf16", "ds vs fp8"]
+    if vk is not None:
+        header += ["ds vs vLLM bf16"]
     rows, roofs = [], []
     for H in heads:
         for B in batches:
@@ -273,6 +275,8 @@ def main() -> None:
                     f"{nb[0] / nd[0]:.2f}x",
                     f"{nf[0] / nd[0]:.2f}x",
                 ]
+                if vk is not None:
+                    row += [f"{res['vllm_bf16'][0] / nd[0]:.2f}x"]
                 rows.append(row)
                 print(" | ".join(row), flush=True)
     load1 = os.getloadavg()
@@ -287,7 +291,8 @@ def main() -> None:
         f"fp8_ds_mla {DS.bytes_per_token})",
         "ds = fp8_ds_mla cache (uint8 rows: e4m3 tiles of 128 + float32 tile scale, rope bf16), "
         "native kernel only (scales applied in registers); ds vs bf16 / ds vs fp8 = time ratio "
-        "(> 1: ds faster)",
+        "(> 1: ds faster); vLLM's CPU kernel has no fp8 cache, so ds vs vLLM bf16 is against "
+        "its bf16 cache",
         f"native engine: {native.simd_level()}; kernels timed interleaved, best of "
         f"{args.rounds} rounds of >= {args.min_time}s each",
         "torch = the core's torch path (mb.absorbed_attention with a plan for impl='torch', "

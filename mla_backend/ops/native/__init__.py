@@ -18,6 +18,13 @@ Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items
 (request, block of <= 32 query rows = new tokens x heads, kv split); each item streams its
 request's latent rows through the block table in tiles of 64 tokens, loading each tile once for
 both the scores (fp32) and P·V; online softmax in fp32; splits merged through their LSE.
+
+Cache layouts (:mod:`mla_backend.cache_layout`): bf16/fp16/fp32 (q's dtype), float8_e4m3fn with a
+per-tensor ``kv_scale``, and ``fp8_ds_mla`` (a uint8 cache: per token e4m3 c_kv in tiles of 128
+with one float32 scale per tile, then k_pe in q's dtype), read in place: e4m3 bytes are decoded
+exactly in registers / an L1 tile (bf16 engine: byte-table shuffles; fp32 engine: the fp16 bit
+trick + vcvtph2ps), the ``fp8_ds_mla`` tile scales are applied to the partial scores per tile and
+to the probabilities before P·V, never by writing a dequantized copy of the cache.
 """
 
 from __future__ import annotations
@@ -165,12 +172,15 @@ def absorbed_attention(
         q_lat: [T, H, r] bf16/fp16/fp32 (last dim contiguous; may be a strided view).
         q_pe: [T, H, rope], q_lat's dtype (rope may be 0).
         kv_cache: [num_pages, page_size, r + rope], q's dtype or float8_e4m3fn; row =
-            [c_kv ; k_pe]; value = its first r columns.
+            [c_kv ; k_pe]; value = its first r columns. Or uint8 [num_pages, page_size, W]:
+            ``fp8_ds_mla`` rows, W = ``CacheLayout.ds_mla(r, rope, q_lat.dtype).width`` (656
+            at r 512, rope 64, bf16); value = the dequantized c_kv.
         block_table: [B, max_pages] int32, physical page of each logical page.
         cu_seqlens_q: [B + 1] int32; request i owns query rows cu[i]:cu[i+1] (may be empty).
         kv_lens: [B] int32, cached tokens of request i (prefix + new), >= its new tokens.
         softmax_scale: float > 0.
-        kv_scale: float32 0-d tensor; cached value = stored * kv_scale (None = 1.0).
+        kv_scale: float32 0-d tensor; cached value = stored * kv_scale (None = 1.0; ignored for
+            ``fp8_ds_mla``, whose scales are in the rows).
         num_kv_splits: kv splits per request (0 = the kernel chooses).
 
     Returns:
@@ -203,7 +213,11 @@ def write_latent(
     """Write ``[c_kv ; k_pe]`` into the paged cache, in place.
 
     Args:
-        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn.
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, or uint8
+            [num_pages, page_size, ``CacheLayout.ds_mla(r, rope, c_kv.dtype).width``]
+            (``fp8_ds_mla``: per tile of 128 values scale = max(amax / 448, FLT_MIN), e4m3 of
+            clamp(value / scale), k_pe stored in c_kv's dtype; bit-identical to
+            ``CacheLayout.pack``, the torch path's writer).
         c_kv: [T, r]; k_pe: [T, rope] (bf16/fp16/fp32).
         slot_mapping: [>= T] int32/int64; token t goes to page slot // page_size, row
             slot % page_size; slot < 0 is padding (skipped).

@@ -1,7 +1,10 @@
 // Native CPU kernels for DeepSeek MLA in its absorbed form (MQA over the shared latent rows).
 //
 //   mla_backend::native_absorbed_attention  paged decode / extend / speculative verify
-//   mla_backend::native_write_latent        cache write (bf16/fp16/fp32/fp8 e4m3fn + scale)
+//   mla_backend::native_write_latent        cache write (bf16/fp16/fp32/fp8 e4m3fn + scale,
+//                                           fp8_ds_mla uint8 rows bit-identical to the torch
+//                                           writer CacheLayout.pack)
+//   mla_backend::native_fp8_decode          the e4m3 decodes, exposed for their exactness test
 //
 // Organisation of the attention kernel
 // ------------------------------------
@@ -23,6 +26,11 @@
 //     the score scale and the output, so no precision is lost to dequantisation.
 //   * F32Engine (everything else: fp16/fp32 q, or no AVX512-BF16): the tile converted to
 //     fp32, fp32 dot products and fp32 P.V.
+// fp8_ds_mla rows (uint8: e4m3 c_kv in tiles of 128, a float32 scale per tile, k_pe in q's
+// dtype) are read in place: the bf16 engine sums scale_t * (q_tile . e4m3_tile) + q_pe . k_pe
+// and multiplies each probability by its row's tile scale before P.V (per 128-column tile);
+// the fp32 engine forms e4m3 x scale in its L1 tile (fp32's rounding of the product, as the
+// reference dequantization). No dequantized copy of the cache is made.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
