@@ -1,4 +1,6 @@
-"""Core test configuration; the shared case builder lives in :mod:`mla_backend.testing.cases`."""
+"""Core test configuration (threads). Test modules import the shared case builder from
+:mod:`mla_backend.testing.cases`, never from ``conftest``: with ``tests/triton_path`` collected in
+the same run, the name ``conftest`` can resolve to that folder's conftest instead."""
 
 from __future__ import annotations
 
@@ -6,9 +8,6 @@ import pytest
 import torch
 
 import mla_backend.testing.reference  # noqa: F401  (mb.testing.reference in tests)
-from mla_backend.testing.cases import DIMS, TOL, Case, assert_close_to_oracle, make_case
-
-__all__ = ["DIMS", "TOL", "Case", "assert_close_to_oracle", "make_case"]
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_case
 
 import mla_backend as mb
 from mla_backend.ops import impl_name
+from mla_backend.testing.cases import make_case
 from mla_backend.testing.reference import plain_attention
 
 IMPLS = sorted({"torch", impl_name(torch.device("cpu"), "native")})
@@ -76,8 +76,10 @@ def _check(out, lse, exact, exact_lse, plain, plain_lse, what) -> None:
     ref_lse_err = (plain_lse - exact_lse).abs().max().item()
     bound = max(1e-3, 1.1 * ref_lse_err)
     assert lse_err <= bound, f"{what}: LSE error {lse_err:.2e} (plain {ref_lse_err:.2e})"
-    print(f"{what}: max err {err:.3e} (plain {ref_err:.3e}), lse err {lse_err:.2e} "
-          f"(plain {ref_lse_err:.2e})")
+    print(
+        f"{what}: max err {err:.3e} (plain {ref_err:.3e}), lse err {lse_err:.2e} "
+        f"(plain {ref_lse_err:.2e})"
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)

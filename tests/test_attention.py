@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DIMS, assert_close_to_oracle, make_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mla_backend as mb
 from mla_backend.policy import CPU_PROFILE
+from mla_backend.testing.cases import DIMS, assert_close_to_oracle, make_case
 
 BATCHES = {
     "decode1": ([7], [1]),
@@ -212,9 +212,7 @@ def test_torch_absorbed_many_kv_splits_with_causal_extends(dtype: torch.dtype) -
     _, lse_ref = mb.normal_attention(
         case.q_nope, case.q_pe, case.kv_cache, case.plan("normal"), case.weights, 0.2
     )
-    o_lat, lse = mb.absorbed_attention(
-        q_lat, case.q_pe, case.kv_cache, case.plan(impl=impl), 0.2
-    )
+    o_lat, lse = mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.plan(impl=impl), 0.2)
     assert torch.isfinite(o_lat).all()
     torch.testing.assert_close(
         lse,

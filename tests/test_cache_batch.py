@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mla_backend as mb
+from mla_backend.testing.cases import DIMS, make_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, mb.FP8_DTYPE])
@@ -125,9 +126,7 @@ def test_attention_rejects_bad_inputs() -> None:
             1.0,
         )
     with pytest.raises(ValueError, match="MLAPlan .* got PlanPart"):
-        mb.absorbed_attention(
-            torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), cache, b.step, 1.0
-        )
+        mb.absorbed_attention(torch.zeros(2, 1, 8), torch.zeros(2, 1, 2), cache, b.step, 1.0)
     with pytest.raises(ValueError, match="MLA_BACKEND_IMPL='cuda'"):
         mb.plan(mb.MLABatch.build([0], [2], bt, 4), d, impl="cuda")
 
@@ -138,8 +137,6 @@ def test_batch_positions() -> None:
 
 
 def _small_case():
-    from conftest import DIMS, make_case
-
     return make_case(DIMS["tiny"], [5, 2], [3, 1], 4)
 
 

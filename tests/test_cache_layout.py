@@ -8,10 +8,10 @@ import struct
 
 import pytest
 import torch
-from conftest import assert_close_to_oracle, make_case
 
 import mla_backend as mb
 from mla_backend.cache_layout import FP8_TILE, CacheLayout
+from mla_backend.testing.cases import assert_close_to_oracle, make_case
 
 
 def test_deepseek_dims_take_656_bytes() -> None:
@@ -77,8 +77,9 @@ def test_write_matches_independent_quantizer_bit_for_bit(r: int, rope: int, impl
 def test_tile_scales_keep_small_tiles_accurate() -> None:
     """A per-tensor scale flushes a small-magnitude tile; per-tile scales keep it."""
     g = torch.Generator().manual_seed(0)
-    c = torch.cat([torch.randn(1, 128, generator=g) * 1e-3,
-                   torch.randn(1, 128, generator=g) * 100.0], -1)
+    c = torch.cat(
+        [torch.randn(1, 128, generator=g) * 1e-3, torch.randn(1, 128, generator=g) * 100.0], -1
+    )
     lay = CacheLayout.ds_mla(256, 0, torch.float32)
     back = lay.unpack(lay.pack(c, torch.zeros(1, 0)), torch.float32)
     rel = ((back - c).abs() / c.abs().clamp(min=1e-6))[0, :128].median()
@@ -95,8 +96,11 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize("dims", [(3, 512, 16, 64, 16), (2, 96, 8, 32, 8), (4, 200, 8, 0, 8)],
-                         ids=["r512", "r96", "r200_norope"])
+@pytest.mark.parametrize(
+    "dims",
+    [(3, 512, 16, 64, 16), (2, 96, 8, 32, 8), (4, 200, 8, 0, 8)],
+    ids=["r512", "r96", "r200_norope"],
+)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("path", ["absorb", "normal"])
@@ -110,11 +114,11 @@ def test_paths_over_ds_mla_cache_match_oracle(dims, page_size, batch, path) -> N
 
 
 def test_ds_mla_rejects_a_scale_and_a_wrong_width() -> None:
-    case = make_case(mb.MLADims(2, 128, 8, 16, 8), [3], [1], 4, dtype=torch.bfloat16,
-                     cache_dtype=torch.uint8)
+    case = make_case(
+        mb.MLADims(2, 128, 8, 16, 8), [3], [1], 4, dtype=torch.bfloat16, cache_dtype=torch.uint8
+    )
     q_lat = torch.zeros(1, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="kv_scale is only meaningful .* not fp8_ds_mla"):
-        mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.plan(), 1.0,
-                              torch.ones(()))
+        mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache, case.plan(), 1.0, torch.ones(()))
     with pytest.raises(ValueError, match=r"164 bytes \(fp8_ds_mla rows"):
         mb.absorbed_attention(q_lat, case.q_pe, case.kv_cache[..., :100], case.plan(), 1.0)

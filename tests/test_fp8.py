@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DIMS, make_case
 
 import mla_backend as mb
+from mla_backend.testing.cases import DIMS, make_case
 
 
 @pytest.mark.parametrize("per_token", [True, False])
