@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_amx import FORCE_ENV, engine_env, selected_from_log
+
 _PREFIX = "RESULT:"
 _ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -94,7 +96,9 @@ def attn_weight_extra_bytes(model_dir: str | Path, backend: str, dtype: str) -> 
     (``kv_b_proj``'s size), c = checkpoint element size, a = the model's (``dtype``):
 
     - MLA_ABSORB: the core's ``W_UK`` [H, nope, r] + ``W_UV`` [H, r, v] in the model dtype
-      (K * a, ``mla_backend.weights_from_kv_b_proj``), plus what vLLM's ``MLAAttention`` makes
+      (K * a, ``mla_backend.weights_from_kv_b_proj``), plus, for a bf16 model on a CPU with
+      AVX512-BF16, the native kernels' packed copies of both (``native.pack_heads``: K * a up
+      to padding to even rows and blocks of 64 columns), plus what vLLM's ``MLAAttention`` makes
       for every backend but AMX_MLA (``W_UK_T`` / ``W_UV``, see CPU_MLA).
     - CPU_MLA (vLLM's generic path, ``MLAAttention.process_weights_after_loading``):
       ``W_UK_T`` / ``W_UV`` are views of ``kv_b_proj.weight`` when it is already in the model
@@ -114,8 +118,22 @@ def attn_weight_extra_bytes(model_dir: str | Path, backend: str, dtype: str) -> 
     if backend == "AMX_MLA":
         return K * a - K * c
     if backend == "MLA_ABSORB":
-        return K * a + generic
+        packed = 0
+        if a == 2 and dtype == "bfloat16" and _cpu_has_avx512_bf16():
+            H, nope, v = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
+            r, cols = cfg["kv_lora_rank"], 64
+            packed = H * 2 * cols * a * (
+                -(-r // cols) * -(-nope // 2) + -(-v // cols) * -(-r // 2)
+            )
+        return K * a + packed + generic
     return generic
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 def _child(spec: RunSpec) -> dict[str, Any]:
     import torch
@@ -135,7 +153,8 @@ def _child(spec: RunSpec) -> dict[str, Any]:
     )
     result: dict[str, Any] = {
         "backend": spec.backend,
-        "selected": cfg.attention_config.backend.name if cfg.attention_config.backend else None,
+        "amx_forced": os.environ.get(FORCE_ENV) == "1",
+        "model_dtype": str(cfg.model_config.dtype).removeprefix("torch."),
         "startup_s": startup,
         "block_size": cfg.cache_config.block_size,
         "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
@@ -145,11 +164,6 @@ def _child(spec: RunSpec) -> dict[str, Any]:
         "kv_bytes_per_token": kv_measured if kv_measured is not None else kv_expected,
         "kv_bytes_per_token_source": "engine" if kv_measured is not None else "config",
         "kv_bytes_per_token_expected": kv_expected,
-        "attn_weight_extra_bytes_per_layer": attn_weight_extra_bytes(
-            spec.model,
-            cfg.attention_config.backend.name if cfg.attention_config.backend else spec.backend,
-            str(cfg.model_config.dtype).removeprefix("torch."),
-        ),
         "workloads": [],
     }
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -206,7 +220,7 @@ def _child(spec: RunSpec) -> dict[str, Any]:
 
 def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
     """Run ``spec`` in a fresh Python process; return its result dict (raises on failure)."""
-    env = dict(os.environ)
+    env, _ = engine_env(spec.backend)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -228,7 +242,13 @@ def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
     )
     for line in proc.stdout.splitlines():
         if line.startswith(_PREFIX):
-            return json.loads(line[len(_PREFIX) :])
+            result = json.loads(line[len(_PREFIX) :])
+            # the backend the engine ran: vLLM's CPU platform may serve another than asked
+            result["selected"] = selected_from_log(proc.stdout + proc.stderr) or "?"
+            result["attn_weight_extra_bytes_per_layer"] = attn_weight_extra_bytes(
+                spec.model, result["selected"], result["model_dtype"]
+            )
+            return result
     raise RuntimeError(
         f"backend {spec.backend} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
     )

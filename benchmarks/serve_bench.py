@@ -51,6 +51,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_amx import FORCED_NOTE, engine_env, env_forced, selected_from_log  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SGLANG_STUBS = ROOT / "integrations" / "sglang" / "tests" / "stubs"
@@ -154,7 +157,7 @@ def _vllm_server(backend: str, model: Path, port: int, max_len: int) -> tuple[li
         "--seed", "0",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    env = dict(os.environ)
+    env, _ = engine_env(backend)  # AMX_MLA's own code even on a CPU without AMX
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -277,6 +280,9 @@ def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace
         result["startup_s"] = time.monotonic() - t0
         if engine == "vllm":
             result["config"] = _vllm_config(port)
+            # the backend the server runs (vLLM's CPU platform may serve another than asked)
+            result["selected"] = selected_from_log(server.tail(10**7)) or "?"
+            result["amx_forced"] = env_forced(backend)
         # warm-up on prompts no measured point uses (seed 10**6)
         warm = tmp / f"warm_{backend}_{port}.json"
         proc = subprocess.run(
@@ -437,6 +443,17 @@ def main(argv: list[str] | None = None) -> int:
             "absorbed (MLA) path: its default prefill crashes on the latent pool."
         )
     if engine == "vllm":
+        notes.append(
+            "Backends the servers ran (from their logs): "
+            + ", ".join(
+                f"{b} -> {rounds[0][b].get('selected', '?')}"
+                + (" (forced)" if rounds[0][b].get("amx_forced") else "")
+                for b in backends
+            )
+            + "."
+        )
+        if any(rounds[0][b].get("amx_forced") for b in backends):
+            notes.append(FORCED_NOTE)
         cfg = {b: rounds[0][b].get("config", {}) for b in backends}
         notes.append(
             "Server settings as the CPU platform chose them: "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
 from compare import RunSpec, Workload, run_backend
+from vllm_amx import FORCED_NOTE
 
 BACKENDS = ("MLA_ABSORB", "AMX_MLA", "CPU_MLA")
 
@@ -99,16 +100,21 @@ def main() -> None:
     for b in backends:
         x = results[b][0]
         lines.append(
-            f"| {b} | {x['selected']} | {x['block_size']} | {x['chunked_prefill']} | "
+            f"| {b} | {x['selected']}{' (forced)' if x.get('amx_forced') else ''} | "
+            f"{x['block_size']} | {x['chunked_prefill']} | "
             f"{x['prefix_caching']} | {x['kv_bytes_per_token']} | "
             f"{x.get('attn_weight_extra_bytes_per_layer', '-')} |"
         )
     lines += [
         "",
+        "selected: the backend the model's layers ran (vLLM's CPU platform serves a request for "
+        "AMX_MLA with CPU_MLA on a CPU without AMX).",
         "Attention-weight bytes per layer beyond the checkpoint's kv_b_proj: computed from the "
         "model's dims and each backend's weight handling (benchmarks/compare.py, "
         "attn_weight_extra_bytes, says how for each backend).",
     ]
+    if any(x.get("amx_forced") for b in backends for x in results[b]):
+        lines += ["", FORCED_NOTE]
     table = "\n".join(lines) + "\n"
     (out / f"vllm_bench_{stamp}.md").write_text(table)
     print(table)

@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from compare import RunSpec, Workload, run_backend  # noqa: E402
+from vllm_amx import FORCED_NOTE  # noqa: E402
 
 from mla_backend.testing.tiny_model import (  # noqa: E402
     PRESETS,
@@ -88,6 +89,8 @@ def main() -> None:
         "KV B/token: all layers, what the engine allocated (VLLM_CPU_KVCACHE_SPACE / blocks); "
         "per layer: bf16 1152, fp8 576, fp8_ds_mla 656 at r 512 + rope 64"
     )
+    if any(r.get("amx_forced") for r in results.values()):
+        print(FORCED_NOTE)
 
 
 if __name__ == "__main__":
