@@ -15,7 +15,7 @@ from .dims import MLADims
 from .normal import DEFAULT_CHUNK_TOKENS, normal_attention_part
 from .ops import KernelImpl, get_impl
 from .plan import MLAPlan
-from .weights import AbsorbWeights, absorb_q, apply_W_UV
+from .weights import AbsorbWeights
 
 
 def write_latent(
@@ -169,6 +169,11 @@ class MLAAttention:
             raise ValueError(f"chunk_tokens={chunk_tokens!r} must be an int >= 1")
         self.dims = dims
         self.weights = weights
+        # the weights as each kernel implementation reads them (packed copies where it packs),
+        # made once: now for the weights' device's default implementation, on first use for
+        # another one a plan names
+        self._prepared: dict[str, AbsorbWeights] = {}
+        self._weights_for(get_impl(weights.W_UK.device))
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else dims.default_softmax_scale
         )
@@ -199,13 +204,21 @@ class MLAAttention:
                 out.index_copy_(0, rows, o)
             return out
 
+    def _weights_for(self, impl: KernelImpl) -> AbsorbWeights:
+        w = self._prepared.get(impl.name)
+        if w is None:
+            w = self._prepared[impl.name] = impl.prepare_weights(self.weights)
+        return w
+
     def _absorbed(self, q_nope, q_pe, kv_cache, plan, part, kv_scale) -> torch.Tensor:
         """``W_UV · attn([q_nope·W_UK ; q_pe], [c_kv ; k_pe])`` -> [T, H, v]."""
-        q_lat = absorb_q(q_nope, self.weights)
-        o_lat, _ = plan.impl.absorbed_attention(
+        impl = plan.impl
+        w = self._weights_for(impl)
+        q_lat = impl.absorb_q(q_nope, w)
+        o_lat, _ = impl.absorbed_attention(
             q_lat, q_pe, kv_cache, part, self.softmax_scale, kv_scale
         )
-        return apply_W_UV(o_lat, self.weights)
+        return impl.apply_W_UV(o_lat, w)
 
     def _normal(self, q_nope, q_pe, kv_cache, plan, part, kv_scale) -> torch.Tensor:
         """Decompress + causal MHA -> [T, H, v]."""

@@ -25,8 +25,11 @@ class AbsorbWeights:
         W_UK: [H, nope, r] (compute dtype, or float8_e4m3fn when ``fp8``).
         W_UV: [H, r, v] (compute dtype, or float8_e4m3fn when ``fp8``).
         W_UK_scale / W_UV_scale: float32 [] or [H, 1, 1] weight scales (fp8 only).
+        W_UK_packed / W_UV_packed: the same weights in a kernel implementation's own layout
+            (made once per layer by its ``prepare_weights``; the native CPU kernels' VNNI
+            blocks for bf16 weights), None where the implementation uses ``W_UK`` / ``W_UV``.
 
-    The normal path decompresses ``c_kv`` with these two as well: no other copy of
+    The normal path decompresses ``c_kv`` with ``W_UK`` / ``W_UV`` as well: no other copy of
     ``kv_b_proj`` is kept.
     """
 
@@ -34,6 +37,8 @@ class AbsorbWeights:
     W_UV: torch.Tensor
     W_UK_scale: torch.Tensor | None = None
     W_UV_scale: torch.Tensor | None = None
+    W_UK_packed: torch.Tensor | None = None
+    W_UV_packed: torch.Tensor | None = None
 
     @property
     def fp8(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 if TYPE_CHECKING:
     from ..dims import MLADims
     from ..plan import PlanPart
+    from ..weights import AbsorbWeights
 
 IMPLS = ("auto", "torch", "native", "triton")
 ENV_VAR = "MLA_BACKEND_IMPL"
@@ -46,6 +47,20 @@ class KernelImpl(Protocol):
     ) -> tuple[int, int]:
         """(new tokens per query block, KV splits) of the absorbed kernel for these requests
         (called at plan time)."""
+        ...
+
+    def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
+        """A layer's weights in the form this implementation's ``absorb_q`` / ``apply_W_UV``
+        read (called once per layer, outside the step; may add packed copies)."""
+        ...
+
+    def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+        """``q_lat = q_nope · W_UK`` per head: q_nope [T, H, nope] -> [T, H, r] in its dtype
+        (``weights`` from :meth:`prepare_weights`)."""
+        ...
+
+    def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+        """``o = o_lat · W_UV`` per head: o_lat [T, H, r] -> [T, H, v] in its dtype."""
         ...
 
     def write_latent(

@@ -1,11 +1,14 @@
 """The native implementation of :class:`mla_backend.ops.KernelImpl` for CPU tensors: cache write
 and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
-use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows); the
-normal path's cache reads and MHA from the torch implementation."""
+use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
+absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
+:meth:`Kernels.prepare_weights`, AVX512-BF16 CPUs; elsewhere, and for fp16/fp32/fp8 weights,
+torch's bmm); the normal path's cache reads and MHA from the torch implementation."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +19,7 @@ from .torch_ops import Kernels as TorchKernels
 if TYPE_CHECKING:
     from ..dims import MLADims
     from ..plan import PlanPart
+    from ..weights import AbsorbWeights
 
 
 class Kernels(TorchKernels):
@@ -31,6 +35,33 @@ class Kernels(TorchKernels):
 
     def __repr__(self) -> str:
         return f"native_kernels.Kernels(num_kv_splits={self.num_kv_splits})"
+
+    def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
+        """bf16 weights on a CPU with AVX512-BF16: add their packed copies (W_UK's and W_UV's
+        element count again, padded to even rows and blocks of 64 columns)."""
+        if (
+            weights.fp8
+            or weights.W_UK.dtype != torch.bfloat16
+            or weights.W_UV.dtype != torch.bfloat16
+            or weights.W_UK.device.type != "cpu"
+            or native.simd_level() != "avx512_bf16"
+        ):
+            return weights
+        return replace(
+            weights,
+            W_UK_packed=native.pack_heads(weights.W_UK),
+            W_UV_packed=native.pack_heads(weights.W_UV),
+        )
+
+    def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+        if weights.W_UK_packed is None or q_nope.dtype != torch.bfloat16:
+            return super().absorb_q(q_nope, weights)
+        return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1])
+
+    def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+        if weights.W_UV_packed is None or o_lat.dtype != torch.bfloat16:
+            return super().apply_W_UV(o_lat, weights)
+        return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1])
 
     def work_shape(
         self,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..cache_layout import CacheLayout
 from ..fp8 import FP8_DTYPE, FP8_MAX
 from ..merge import merge_attention_states
+from ..weights import AbsorbWeights, absorb_q, apply_W_UV
 
 if TYPE_CHECKING:
     from ..dims import MLADims
@@ -67,6 +68,16 @@ class Kernels:
 
     def __repr__(self) -> str:
         return f"torch_ops.Kernels({self.__dict__})"
+
+    # -- absorption weights --------------------------------------------------------------
+    def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
+        return weights
+
+    def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+        return absorb_q(q_nope, weights)
+
+    def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+        return apply_W_UV(o_lat, weights)
 
     # -- plan time ---------------------------------------------------------------------
     def work_shape(

@@ -8,11 +8,14 @@ This module owns:
   is called, cached in torch's extensions directory (``TORCH_EXTENSIONS_DIR``). If there is no
   compiler / ninja, the platform is not x86-64, or the build fails, :func:`available` returns
   False and one ``warnings.warn`` (once per process) says why; importing never raises;
-- the ops ``torch.ops.mla_backend.native_absorbed_attention`` and
-  ``torch.ops.mla_backend.native_write_latent`` (CPU kernels) with fake (meta)
-  implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque;
-- :func:`absorbed_attention` and :func:`write_latent`, the interface the core's device seam
-  (:mod:`mla_backend.ops.native_kernels`) calls.
+- the ops ``torch.ops.mla_backend.native_absorbed_attention``,
+  ``torch.ops.mla_backend.native_write_latent`` (``csrc/mla_cpu.cpp``) and
+  ``native_pack_heads`` / ``native_head_gemm`` (``csrc/head_gemm.cpp``: the per-head absorption
+  GEMMs ``q_nope · W_UK`` and ``o_lat · W_UV`` over weights packed once per layer), CPU kernels
+  with fake (meta) implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as
+  opaque;
+- :func:`absorbed_attention`, :func:`write_latent`, :func:`pack_heads` and :func:`head_gemm`,
+  the interface the core's device seam (:mod:`mla_backend.ops.native_kernels`) calls.
 
 Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items are
 (request, block of <= 32 query rows = new tokens x heads, kv split); each item streams its
@@ -37,13 +40,23 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "unavailable_reason", "absorbed_attention", "write_latent"]
+__all__ = [
+    "available",
+    "unavailable_reason",
+    "absorbed_attention",
+    "write_latent",
+    "pack_heads",
+    "head_gemm",
+]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("mla_cpu.cpp",)
+_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp")
 _HEADERS = ("mla_cpu.h",)
 _EXT_NAME = "mla_backend_native"
 _FLAGS = ["-O3", "-march=native", "-std=c++17"]
+
+#: output columns per packed weight block of ``csrc/head_gemm.cpp`` (its ``kNB``)
+HEAD_GEMM_COLS = 64
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": None, "warned": False}
@@ -108,6 +121,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake("mla_backend::native_write_latent")
     def _(kv_cache, c_kv, k_pe, slot_mapping, kv_scale=None):
         return None
+
+    @torch.library.register_fake("mla_backend::native_pack_heads")
+    def _(w):
+        H, K, N = w.shape
+        return w.new_empty((H, -(-N // HEAD_GEMM_COLS), -(-K // 2), HEAD_GEMM_COLS, 2))
+
+    @torch.library.register_fake("mla_backend::native_head_gemm")
+    def _(x, packed, n):
+        return x.new_empty((x.shape[0], x.shape[1], n))
 
     @torch.library.register_fake("mla_backend::native_fp8_decode")
     def _(data, bf16):
@@ -226,3 +248,30 @@ def write_latent(
     """
     _require()
     torch.ops.mla_backend.native_write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
+
+
+def pack_heads(w: torch.Tensor) -> torch.Tensor:
+    """Pack a per-head weight once for :func:`head_gemm`.
+
+    Args:
+        w: [H, K, N] bfloat16 (``W_UK`` [H, nope, r] or ``W_UV`` [H, r, v]).
+    Returns:
+        [H, ceil(N / 64), ceil(K / 2), 64, 2] bfloat16: VNNI pairs of rows in blocks of 64
+        columns, zero-padded (same element count as ``w`` up to the padding).
+    """
+    _require()
+    return torch.ops.mla_backend.native_pack_heads(w)
+
+
+def head_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``y[t, h] = x[t, h] · w[h]`` for every head, w given packed (:func:`pack_heads`).
+
+    Args:
+        x: [T, H, K] bfloat16, last dim contiguous (any other strides: a view of q is fine).
+        packed: :func:`pack_heads` of w [H, K, N].
+        n: N, the output width.
+    Returns:
+        y: [T, H, N] bfloat16, contiguous; fp32 sums, rounded once (nearest even).
+    """
+    _require()
+    return torch.ops.mla_backend.native_head_gemm(x, packed, int(n))
