@@ -43,6 +43,8 @@ class DeviceProfile:
         absorbed_efficiency: fraction of peak the absorbed attention reaches.
         attn_efficiency: fraction of peak the normal path's fused MHA kernel reaches.
         cache_bytes: decompressed K/V up to this size stays in cache (no memory traffic).
+        normal_overhead: fixed seconds per request of the normal path (its per-request
+            decompression and attention calls), in the model's time units.
     """
 
     peak_flops: float
@@ -50,6 +52,7 @@ class DeviceProfile:
     absorbed_efficiency: float = 1.0
     attn_efficiency: float = 1.0
     cache_bytes: float = 0.0
+    normal_overhead: float = 0.0
 
 
 # Measured on the project's CPU machines (2 threads, bf16 AMX; the efficiencies fitted to
@@ -61,15 +64,17 @@ CPU_PROFILE = DeviceProfile(
     attn_efficiency=0.3,
     cache_bytes=32 * 2**20,
 )
-# The same CPUs with the native C++ absorbed kernels (mla_backend/ops/native): the absorbed
-# attention runs near the machine's peak (fitted to benchmarks/mla_policy_bench.py, see
-# benchmarks/results/mla_policy-latest.md).
+# The same CPUs with the native C++ kernels (mla_backend/ops/native): the absorbed attention
+# and, for bf16, the normal path's MHA run near the machine's peak, the normal path paying a
+# fixed per-request cost (fitted to benchmarks/mla_policy_bench.py, see
+# benchmarks/results/mla_policy-latest.md: fresh prefills of >= ~128-192 tokens go normal).
 CPU_NATIVE_PROFILE = DeviceProfile(
     peak_flops=0.6e12,
     bandwidth=7.8e9,
     absorbed_efficiency=2.0,
-    attn_efficiency=0.3,
+    attn_efficiency=1.0,
     cache_bytes=32 * 2**20,
+    normal_overhead=0.6e-3,
 )
 # H800-class GPU (FlashMLA's published figures); unmeasured by us.
 GPU_PROFILE = DeviceProfile(
@@ -137,7 +142,7 @@ def normal_cost(
     attn = _phase(
         2 * new * kv_avg * H * (nope + rope + v), kv_traffic, profile, profile.attn_efficiency
     )
-    return decompress + attn
+    return decompress + attn + profile.normal_overhead
 
 
 class Policy:

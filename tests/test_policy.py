@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mla_backend as mb
-from mla_backend.policy import CPU_PROFILE, absorbed_cost, normal_cost
+from mla_backend.policy import CPU_NATIVE_PROFILE, CPU_PROFILE, absorbed_cost, normal_cost
 
 DEEPSEEK = mb.MLADims(128, 512, 128, 64, 128)
 LITE = mb.MLADims(16, 512, 128, 64, 128)
@@ -54,10 +54,10 @@ def test_cost_mode_decisions() -> None:
     assert p.batch_uses_normal(batch([0, 0], [2048, 900], mb.Phase.EXTEND), DEEPSEEK)
 
 
-def switch_point(dims: mb.MLADims, prefix: int) -> int:
+def switch_point(dims: mb.MLADims, prefix: int, profile=CPU_PROFILE) -> int:
     """Smallest N where the normal path is estimated cheaper; asserts monotonicity."""
     wins = [
-        absorbed_cost(dims, prefix, n, CPU_PROFILE) <= normal_cost(dims, prefix, n, CPU_PROFILE)
+        absorbed_cost(dims, prefix, n, profile) <= normal_cost(dims, prefix, n, profile)
         for n in range(1, 4096)
     ]
     switch = wins.index(False) + 1
@@ -81,6 +81,20 @@ def test_cost_crossover_is_monotone_and_near_the_notes(dims: mb.MLADims) -> None
     assert switch_point(dims, 0) < switch_point(dims, 4096)
     # a long cached prefix keeps a short extend absorbed
     assert absorbed_cost(dims, 16384, 64, CPU_PROFILE) < normal_cost(dims, 16384, 64, CPU_PROFILE)
+
+
+@pytest.mark.parametrize("dims", [DEEPSEEK, LITE], ids=["deepseek", "lite"])
+def test_native_profile_crossover(dims: mb.MLADims) -> None:
+    """With the native kernels (bf16 MHA for the normal path): one switch per prefix length,
+    fresh prefills go normal from ~100-300 new tokens (benchmarks/mla_policy_bench.py measured
+    the crossover at 128-192 for 16 and 128 heads), decodes and short extends stay absorbed."""
+    fresh = switch_point(dims, 0, CPU_NATIVE_PROFILE)
+    assert 96 <= fresh <= 320, fresh
+    for prefix in (1024, 4096, 16384):
+        assert switch_point(dims, prefix, CPU_NATIVE_PROFILE) >= fresh
+    p = mb.Policy("cost")
+    b = batch([0, 4000, 0, 4000], [1, 1, 2048, 16], mb.Phase.MIXED)
+    assert p.choose(b, dims, "cpu", "native").use_absorbed == [True, True, False, True]
 
 
 def test_env_selects_mode(monkeypatch: pytest.MonkeyPatch) -> None:

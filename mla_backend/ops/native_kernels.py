@@ -2,8 +2,9 @@
 and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
-:meth:`Kernels.prepare_weights`, AVX512-BF16 CPUs; elsewhere, and for fp16/fp32/fp8 weights,
-torch's bmm); the normal path's cache reads and MHA from the torch implementation."""
+:meth:`Kernels.prepare_weights`) and the normal path's MHA for bf16 (both on AVX512-BF16 CPUs;
+elsewhere, and for other dtypes, torch's bmm and SDPA); the normal path's cache reads from the
+torch implementation."""
 
 from __future__ import annotations
 
@@ -62,6 +63,22 @@ class Kernels(TorchKernels):
         if weights.W_UV_packed is None or o_lat.dtype != torch.bfloat16:
             return super().apply_W_UV(o_lat, weights)
         return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1])
+
+    def attention_with_lse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and q.device.type == "cpu"
+            and native.simd_level() == "avx512_bf16"
+        ):
+            return native.attention_with_lse(q, k, v, causal, scale)
+        return super().attention_with_lse(q, k, v, causal, scale)
 
     def work_shape(
         self,

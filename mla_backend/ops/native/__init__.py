@@ -11,11 +11,13 @@ This module owns:
 - the ops ``torch.ops.mla_backend.native_absorbed_attention``,
   ``torch.ops.mla_backend.native_write_latent`` (``csrc/mla_cpu.cpp``) and
   ``native_pack_heads`` / ``native_head_gemm`` (``csrc/head_gemm.cpp``: the per-head absorption
-  GEMMs ``q_nope · W_UK`` and ``o_lat · W_UV`` over weights packed once per layer), CPU kernels
+  GEMMs ``q_nope · W_UK`` and ``o_lat · W_UV`` over weights packed once per layer) and
+  ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the normal path's MHA), CPU kernels
   with fake (meta) implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as
   opaque;
-- :func:`absorbed_attention`, :func:`write_latent`, :func:`pack_heads` and :func:`head_gemm`,
-  the interface the core's device seam (:mod:`mla_backend.ops.native_kernels`) calls.
+- :func:`absorbed_attention`, :func:`write_latent`, :func:`pack_heads`, :func:`head_gemm` and
+  :func:`attention_with_lse`, the interface the core's device seam
+  (:mod:`mla_backend.ops.native_kernels`) calls.
 
 Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items are
 (request, block of <= 32 query rows = new tokens x heads, kv split); each item streams its
@@ -47,10 +49,11 @@ __all__ = [
     "write_latent",
     "pack_heads",
     "head_gemm",
+    "attention_with_lse",
 ]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp")
+_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp")
 _HEADERS = ("mla_cpu.h",)
 _EXT_NAME = "mla_backend_native"
 _FLAGS = ["-O3", "-march=native", "-std=c++17"]
@@ -130,6 +133,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("mla_backend::native_head_gemm")
     def _(x, packed, n):
         return x.new_empty((x.shape[0], x.shape[1], n))
+
+    @torch.library.register_fake("mla_backend::native_attention_with_lse")
+    def _(q, k, v, causal, scale):
+        H, Lq, _ = q.shape
+        return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
 
     @torch.library.register_fake("mla_backend::native_fp8_decode")
     def _(data, bf16):
@@ -275,3 +283,21 @@ def head_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """
     _require()
     return torch.ops.mla_backend.native_head_gemm(x, packed, int(n))
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-head attention with its log-sum-exp (the normal path's MHA), bf16, AVX512-BF16.
+
+    Args:
+        q: [H, Lq, Dqk]; k: [H, Lk, Dqk]; v: [H, Lk, Dv]; bfloat16, last dims contiguous (any
+            other strides).
+        causal: top-left causal (key j visible to query i iff j <= i).
+        scale: softmax scale of ``q·k``.
+    Returns:
+        o [H, Lq, Dv] bfloat16 (probabilities rounded to bf16 before P·V, fp32 sums), lse
+        [H, Lq] float32 (natural log; -inf and o = 0 for a row that sees no key).
+    """
+    _require()
+    return torch.ops.mla_backend.native_attention_with_lse(q, k, v, bool(causal), float(scale))
