@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_amx import FORCED_NOTE, engine_env, env_forced, selected_from_log  # noqa: E402
+from vllm_amx import FORCE_ENV, FORCED_NOTE, engine_env, selected_from_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -282,7 +282,7 @@ def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace
             result["config"] = _vllm_config(port)
             # the backend the server runs (vLLM's CPU platform may serve another than asked)
             result["selected"] = selected_from_log(server.tail(10**7)) or "?"
-            result["amx_forced"] = env_forced(backend)
+            result["amx_forced"] = env.get(FORCE_ENV) == "1"
         # warm-up on prompts no measured point uses (seed 10**6)
         warm = tmp / f"warm_{backend}_{port}.json"
         proc = subprocess.run(

@@ -47,11 +47,6 @@ def engine_env(backend: str, env: dict[str, str] | None = None) -> tuple[dict[st
     return env, True
 
 
-def env_forced(backend: str) -> bool:
-    """Whether :func:`engine_env` forces AMX_MLA for ``backend`` on this CPU."""
-    return engine_env(backend, {})[1]
-
-
 def selected_from_log(text: str) -> str | None:
     """The backend vLLM says it selected (its last "Using X backend." line), if any."""
     found = _USING.findall(text)

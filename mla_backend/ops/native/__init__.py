@@ -182,7 +182,9 @@ def _require() -> None:
 def simd_level() -> str:
     """'avx512_bf16' when the bf16 engine was compiled in, else 'fp32' (portable engine)."""
     _require()
-    return "avx512_bf16" if torch.ops.mla_backend.native_simd_info() else "fp32"
+    if "simd" not in _state:  # asked on every normal-path call: read the build once
+        _state["simd"] = "avx512_bf16" if torch.ops.mla_backend.native_simd_info() else "fp32"
+    return _state["simd"]  # type: ignore[return-value]
 
 
 def absorbed_attention(
