@@ -13,9 +13,9 @@ comparable with its README (H800: ~3000 GB/s memory-bound, 580-660 TFLOP/s compu
             counts its 576 kv elements at 1 byte, q and o stay bf16)
     TFLOP/s = FLOPs / 1e9 / ms;  GB/s = bytes / 1e6 / ms
 
-Each shape is planned once (``mb.plan`` with ``triton_ops.Kernels()``) and timed through the
-per-layer call ``mb.absorbed_attention``; ``graph_ms`` times the same call replayed from a
-CUDA graph (after checking a replay reproduces the eager output bit for bit).
+Each shape is planned once (``mb.plan`` with ``mla_backend.ops.triton.Kernels()``) and timed
+through the per-layer call ``mb.absorbed_attention``; ``graph_ms`` times the same call
+replayed from a CUDA graph (after checking a replay reproduces the eager output bit for bit).
 
 Usage: python benchmarks/triton_gpu_bench.py [--cache fp8|fp8_ds_mla] [--quick] [--no-check]
            [--no-graph] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
@@ -117,7 +117,7 @@ def sweep(
     tensors stay at fixed addresses; the per-layer call reads nothing back on the host).
     """
     import mla_backend as mb
-    from mla_backend.ops import triton_ops
+    from mla_backend.ops.triton import Kernels as TritonKernels
 
     # bytes per cache element: fp8_ds_mla counts its whole 656-byte row over the 576 values
     kv_bytes = {torch.float8_e4m3fn: 1, torch.uint8: 656 / 576}.get(cache_dtype, 2)
@@ -137,7 +137,7 @@ def sweep(
                     q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
                         dev, batch, mean_kv, heads, q_len, varlen, cache_dtype
                     )
-                    plan = mb.plan(b, dims, absorb, device=dev, impl=triton_ops.Kernels())
+                    plan = mb.plan(b, dims, absorb, device=dev, impl=TritonKernels())
                     splits = plan.step.work.num_kv_splits
 
                     def run(q_lat=q_lat, q_pe=q_pe, cache=cache, plan=plan, kv_scale=kv_scale):
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("triton_gpu_bench: triton is not installed (pip install 'mla-backend[triton]')")
         return 0
-    from mla_backend.ops.triton_kernels import heuristics as hx
+    from mla_backend.ops.triton.jit import heuristics as hx
 
     torch.manual_seed(0)
     random.seed(0)
@@ -273,7 +273,7 @@ def _graph_timer(fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:
     """The whole sweep on tiny CPU shapes under the interpreter, with a fake 1 ms timer."""
-    from mla_backend.ops.triton_kernels import heuristics as hx
+    from mla_backend.ops.triton.jit import heuristics as hx
 
     if not hx.interpreting():
         print("triton_gpu_bench --smoke: set TRITON_INTERPRET=1 (CPU tensors need the interpreter)")

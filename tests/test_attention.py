@@ -175,7 +175,7 @@ def test_torch_decode_paths_match_oracle(
     """Many single-token requests on the torch path: through the grouped bmm path (similar
     lengths share one gather and bmm; padding columns of the block table hold garbage page ids
     on purpose) and through the fused flash decode path; LSE checked too."""
-    from mla_backend.ops.torch_ops import Kernels
+    from mla_backend.ops.torch import Kernels
 
     impl = Kernels(flash_max_heads=flash_max_heads)
     prefix = [40, 47, 33, 45, 300, 290, 0, 310]
@@ -203,7 +203,7 @@ def test_torch_decode_paths_match_oracle(
 def test_torch_absorbed_many_kv_splits_with_causal_extends(dtype: torch.dtype) -> None:
     """Tiny splits and query blocks force LSE merging across many KV splits, including
     splits that lie entirely past some new tokens' causal limit (none of their keys)."""
-    from mla_backend.ops.torch_ops import Kernels
+    from mla_backend.ops.torch import Kernels
 
     # blocks of 7 new tokens (H=3)
     impl = Kernels(max_tile_elements=512, min_split_tokens=8, max_query_rows=21)

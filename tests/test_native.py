@@ -14,7 +14,8 @@ import torch
 
 import mla_backend as mb
 from mla_backend.cache_layout import FP8_TILE, CacheLayout
-from mla_backend.ops import native, torch_ops
+from mla_backend.ops import native
+from mla_backend.ops import torch as torch_ops
 from mla_backend.testing.cases import make_case
 
 if not native.available():
@@ -453,13 +454,15 @@ def test_fake_tensor_mode_is_opaque():
 
 
 def test_simulated_build_failure_warns_once(monkeypatch):
-    saved = dict(native._state)
+    from mla_backend.ops.native import build
+
+    saved = dict(build._state)
 
     def boom():
         raise OSError("no C++ compiler found (simulated)")
 
-    monkeypatch.setattr(native, "_build", boom)
-    native._state.update(tried=False, ok=False, reason=None, warned=False)
+    monkeypatch.setattr(build, "_build", boom)
+    build._state.update(tried=False, ok=False, reason=None, warned=False)
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -471,5 +474,5 @@ def test_simulated_build_failure_warns_once(monkeypatch):
         with pytest.raises(RuntimeError, match="simulated"):
             native.absorbed_attention(*([None] * 6), 1.0)
     finally:
-        native._state.clear()
-        native._state.update(saved)
+        build._state.clear()
+        build._state.update(saved)

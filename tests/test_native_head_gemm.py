@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mla_backend as mb
-from mla_backend.ops import get_impl, native, torch_ops
+from mla_backend.ops import get_impl, native
+from mla_backend.ops import torch as torch_ops
 from mla_backend.testing.cases import make_case
 
 if not native.available():

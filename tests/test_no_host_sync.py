@@ -214,7 +214,7 @@ def check_no_sync(name: str, cache_dtype: torch.dtype, impl: object,
 CACHES = [torch.bfloat16, mb.FP8_DTYPE]
 
 # The torch path's cache write indexes with 0-d tensors (a host read of each, i.e. a
-# device-to-host sync on a GPU): mla_backend/ops/torch_ops.py, Kernels.write_latent,
+# device-to-host sync on a GPU): mla_backend/ops/torch/kernels.py, Kernels.write_latent,
 # ``smax = slots[top]`` and ``row[top]`` / ``flat[smax]`` in the ``fill`` line.
 TORCH_CALLS = CALLS
 

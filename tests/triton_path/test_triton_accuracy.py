@@ -12,7 +12,7 @@ and 16. Shapes are smaller than the engines' grids where the interpreter would b
 
 Under the interpreter the kernels round bf16 the way a GPU does (round to nearest even; the
 interpreter's own cast truncates, which doubles the error: see ``ROUND_BF16`` in
-:mod:`mla_backend.ops.triton_kernels.attention`).
+:mod:`mla_backend.ops.triton.jit.attention`).
 """
 
 from __future__ import annotations

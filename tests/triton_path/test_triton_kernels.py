@@ -1,4 +1,4 @@
-"""Triton kernels (mla_backend.ops.triton_ops) through the plan API, on CPU under the Triton
+"""Triton kernels (mla_backend.ops.triton.ops) through the plan API, on CPU under the Triton
 interpreter (or on a GPU with ``MLA_TEST_DEVICE=cuda``).
 
 Cases come from the shared builder (:func:`mla_backend.testing.cases.make_case`, wrapped in
@@ -20,13 +20,13 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from triton_case import DEVICE, ON_GPU, TCase, assert_matches, tops  # noqa: E402
+from triton_case import DEVICE, ON_GPU, TCase, TritonKernels, assert_matches, tops  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
 from mla_backend.fp8 import FP8_DTYPE  # noqa: E402
-from mla_backend.ops.triton_kernels import heuristics as hx  # noqa: E402
-from mla_backend.ops.triton_kernels.attention import _e4m3_bits_to_f32  # noqa: E402
-from mla_backend.ops.triton_kernels.cache_write import _e4m3_grid_to_bits  # noqa: E402
+from mla_backend.ops.triton.jit import heuristics as hx  # noqa: E402
+from mla_backend.ops.triton.jit.attention import _e4m3_bits_to_f32  # noqa: E402
+from mla_backend.ops.triton.jit.cache_write import _e4m3_grid_to_bits  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # Cache write
@@ -77,7 +77,7 @@ def test_write_latent_matches_torch_path(
         k_pe.to(DEVICE),
         slots.to(torch.int32).to(DEVICE),
         None if scale is None else scale.to(DEVICE),
-        impl=tops.Kernels(fp8_mode=mode),
+        impl=TritonKernels(fp8_mode=mode),
     )
     got = got.cpu()
     if dtype == in_dtype or dtype == FP8_DTYPE:  # copy, or our own fp8 rounding: bit-exact
@@ -109,7 +109,7 @@ def test_write_latent_padded_slot_mapping() -> None:
     kv = torch.zeros(2, 4, 12, device=DEVICE)
     c_kv, k_pe = torch.randn(3, 8, device=DEVICE), torch.randn(3, 4, device=DEVICE)
     slots = torch.tensor([5, -1, 0, 7, 6, 1], device=DEVICE)  # entries 3.. belong to no token
-    mb.write_latent(kv, c_kv, k_pe, slots, impl=tops.Kernels())
+    mb.write_latent(kv, c_kv, k_pe, slots, impl=TritonKernels())
     flat = kv.view(-1, 12)
     assert torch.equal(flat[5], torch.cat([c_kv[0], k_pe[0]]))
     assert torch.equal(flat[0], torch.cat([c_kv[2], k_pe[2]]))
@@ -267,7 +267,7 @@ def test_idle_batch_and_requests_without_tokens() -> None:
     batch = mb.MLABatch.build([3, 0], [0, 0], bt.to(DEVICE), 16, mb.Phase.IDLE,
                               block_table_host=bt)
     dims = mb.MLADims(2, 32, 8, 16, 8)
-    plan = mb.plan(batch, dims, mb.Policy("absorb"), device=DEVICE, impl=tops.Kernels())
+    plan = mb.plan(batch, dims, mb.Policy("absorb"), device=DEVICE, impl=TritonKernels())
     o, lse = mb.absorbed_attention(
         torch.zeros(0, 2, 32, device=DEVICE), torch.zeros(0, 2, 16, device=DEVICE), kv, plan, 0.1
     )
@@ -329,7 +329,7 @@ def test_seam_routes_to_triton_and_matches_shared_oracle(monkeypatch) -> None:
     w = mb.AbsorbWeights(base.weights.W_UK.to(DEVICE), base.weights.W_UV.to(DEVICE))
     attn = mb.MLAAttention(case.dims, w, case.scale)
     out = attn(base.q_nope.to(DEVICE), case.q_pe, case.kv_cache, case.plan())
-    assert called, "a Triton plan did not reach mla_backend.ops.triton_ops"
+    assert called, "a Triton plan did not reach mla_backend.ops.triton.ops"
     assert out.shape == (5, 3, 12) and out.device.type == case.device.type
     torch.testing.assert_close(out.cpu(), base.oracle(case.scale), atol=1e-4, rtol=1e-4)
 
@@ -360,7 +360,7 @@ def test_env_override_routes_to_triton(monkeypatch) -> None:
 
 
 def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
-    from mla_backend.ops.triton_kernels import attention
+    from mla_backend.ops.triton.jit import attention
 
     compiled = triton.JITFunction(attention.absorbed_attn_kernel.fn)  # as on a GPU machine
     monkeypatch.setattr(tops, "absorbed_attn_kernel", compiled)

@@ -1,6 +1,6 @@
 """The per-layer calls on the Triton path read no tensor data on the host (issue 8, item 2):
 the Triton counterpart of ``tests/test_no_host_sync.py`` (same scenarios and checks, with
-``triton_ops.Kernels`` plans), plus checks of the custom ops themselves.
+``mla_backend.ops.triton.Kernels`` plans), plus checks of the custom ops themselves.
 
 - Under ``FakeTensorMode`` (every tensor argument and the plan's index tensors fake) the calls
   give outputs of the right shape and dtype: the Triton ops' fake implementation is the op's
@@ -29,7 +29,7 @@ from test_no_host_sync import (  # noqa: E402  (tests/, on sys.path through test
     check_fake,
     check_no_sync,
 )
-from triton_case import DEVICE, ON_GPU, TCase, assert_matches, tops  # noqa: E402
+from triton_case import DEVICE, ON_GPU, TCase, TritonKernels, assert_matches, tops  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
 
@@ -37,13 +37,13 @@ import mla_backend as mb  # noqa: E402
 @pytest.mark.parametrize("cache_dtype", CACHES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_triton_path_runs_under_fake_tensor_mode(name: str, cache_dtype: torch.dtype) -> None:
-    check_fake(name, cache_dtype, tops.Kernels(num_kv_splits=2), DEVICE, calls=CALLS)
+    check_fake(name, cache_dtype, TritonKernels(num_kv_splits=2), DEVICE, calls=CALLS)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_triton_path_reads_no_tensor_data_on_host(name: str, cache_dtype: torch.dtype) -> None:
-    outs = check_no_sync(name, cache_dtype, tops.Kernels(num_kv_splits=2), DEVICE, calls=CALLS)
+    outs = check_no_sync(name, cache_dtype, TritonKernels(num_kv_splits=2), DEVICE, calls=CALLS)
     # the same step on the torch path (CPU) agrees
     case, plan = build(name, cache_dtype, "torch")
     want = mb.MLAAttention(case.dims, case.weights, chunk_tokens=8)(
@@ -57,7 +57,7 @@ def test_triton_path_reads_no_tensor_data_on_host(name: str, cache_dtype: torch.
 def test_op_bodies_read_no_tensor_data_on_host(cache_dtype: torch.dtype) -> None:
     """The ops' implementations themselves, called directly (a dispatch mode sees a custom op
     as one call and not what runs inside it)."""
-    case, plan = build("extend", cache_dtype, tops.Kernels(num_kv_splits=3), DEVICE)
+    case, plan = build("extend", cache_dtype, TritonKernels(num_kv_splits=3), DEVICE)
     part, work = plan.step, plan.step.work
     q_lat = torch.randn(case.q_nope.shape[0], 3, 32, device=DEVICE).to(case.q_nope.dtype)
     scale = None if case.kv_scale is None else case.kv_scale.float().reshape(())
@@ -114,7 +114,7 @@ def test_cache_write_under_compile_mutates_the_cache() -> None:
     slots = torch.tensor([5, -1, 0], device=DEVICE)
 
     def write(kv, c_kv, k_pe, slots):
-        mb.write_latent(kv, c_kv, k_pe, slots, impl=tops.Kernels())
+        mb.write_latent(kv, c_kv, k_pe, slots, impl=TritonKernels())
         return kv.float().sum()
 
     total = torch.compile(write, backend="aot_eager", fullgraph=True)(kv, c_kv, k_pe, slots)

@@ -29,8 +29,8 @@ def load_triton_ops():
     """Import the Triton path; under the interpreter, re-decorate its kernels if they were
     imported before the interpreter was switched on (another test module may have imported
     them). The custom ops stay registered once; they read the kernels from the module."""
-    from mla_backend.ops import triton_ops
-    from mla_backend.ops.triton_kernels import attention, cache_write
+    from mla_backend.ops.triton import ops as triton_ops
+    from mla_backend.ops.triton.jit import attention, cache_write
 
     if ON_GPU:
         return triton_ops
@@ -39,11 +39,12 @@ def load_triton_ops():
     if not isinstance(attention.absorbed_attn_kernel, InterpretedFunction):
         importlib.reload(attention)
         importlib.reload(cache_write)
-        triton_ops = importlib.reload(sys.modules["mla_backend.ops.triton_ops"])
+        triton_ops = importlib.reload(sys.modules["mla_backend.ops.triton.ops"])
     return triton_ops
 
 
 tops = load_triton_ops()
+from mla_backend.ops.triton import Kernels as TritonKernels  # noqa: E402
 
 
 class TCase:
@@ -114,7 +115,7 @@ class TCase:
 
     def plan(self, impl: object = None, **knobs) -> mb.MLAPlan:
         """The absorbed plan for the Triton kernels with tuning ``knobs`` (or ``impl``)."""
-        impl = impl if impl is not None else tops.Kernels(**knobs)
+        impl = impl if impl is not None else TritonKernels(**knobs)
         return mb.plan(self.batch, self.dims, mb.Policy("absorb"), device=self.device, impl=impl)
 
     def triton(self, **knobs) -> tuple[torch.Tensor, torch.Tensor]:

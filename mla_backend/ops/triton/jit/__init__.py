@@ -5,5 +5,5 @@
   and the LSE merge of the split partials.
 - :mod:`.heuristics`: tile sizes and the split-count heuristic.
 
-Only :mod:`mla_backend.ops.triton_ops` should call these; it owns argument checking.
+Only :mod:`mla_backend.ops.triton.ops` should call these; it owns argument checking.
 """

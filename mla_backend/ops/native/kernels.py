@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import native
-from .torch_ops import Kernels as TorchKernels
+from ..torch import Kernels as TorchKernels
+from . import ops as native
 
 if TYPE_CHECKING:
-    from ..dims import MLADims
-    from ..plan import PlanPart
-    from ..weights import AbsorbWeights
+    from ...dims import MLADims
+    from ...plan import PlanPart
+    from ...weights import AbsorbWeights
 
 
 class Kernels(TorchKernels):
@@ -35,7 +35,7 @@ class Kernels(TorchKernels):
         self.num_kv_splits = num_kv_splits
 
     def __repr__(self) -> str:
-        return f"native_kernels.Kernels(num_kv_splits={self.num_kv_splits})"
+        return f"ops.native.Kernels(num_kv_splits={self.num_kv_splits})"
 
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
         """bf16 weights on a CPU with AVX512-BF16: add their packed copies (W_UK's and W_UV's

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..cache_layout import CacheLayout
-from ..fp8 import FP8_DTYPE, FP8_MAX
-from ..merge import merge_attention_states
-from ..weights import AbsorbWeights, absorb_q, apply_W_UV
+from ...cache_layout import CacheLayout
+from ...fp8 import FP8_DTYPE, FP8_MAX
+from ...merge import merge_attention_states
+from ...weights import AbsorbWeights, absorb_q, apply_W_UV
 
 if TYPE_CHECKING:
-    from ..dims import MLADims
-    from ..plan import PlanPart
+    from ...dims import MLADims
+    from ...plan import PlanPart
 
 
 class Kernels:
@@ -67,7 +67,7 @@ class Kernels:
         self.max_split_tokens = max_split_tokens
 
     def __repr__(self) -> str:
-        return f"torch_ops.Kernels({self.__dict__})"
+        return f"ops.torch.Kernels({self.__dict__})"
 
     # -- absorption weights --------------------------------------------------------------
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:

@@ -1,10 +1,10 @@
 """Triton implementation of the paged-latent-cache kernels (the GPU path: CUDA and ROCm).
 
-:class:`Kernels` is this module's :class:`mla_backend.ops.KernelImpl` (the device seam picks
-it for CUDA tensors); its keyword arguments are the tuning knobs tests use to force a split
-count, tile size or fp8 conversion. The two kernels are ``torch.library`` custom ops built with
-``torch.library.triton_op`` (each launch goes through ``torch.library.wrap_triton``), so
-``torch.compile`` and ``FakeTensorMode`` trace them like built-in operators:
+:class:`mla_backend.ops.triton.Kernels` (in :mod:`.kernels`) is the
+:class:`mla_backend.ops.KernelImpl` over them (the device seam picks it for CUDA tensors). The
+two kernels are ``torch.library`` custom ops built with ``torch.library.triton_op`` (each
+launch goes through ``torch.library.wrap_triton``), so ``torch.compile`` and ``FakeTensorMode``
+trace them like built-in operators:
 
 - ``mla_backend::triton_write_latent`` (:func:`write_latent`): one program per new token
   scatters ``[c_kv ; k_pe]`` into its slot (mutates the cache).
@@ -37,7 +37,6 @@ kernels on real data; on a GPU ``wrap_triton`` records the launch instead), and
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -46,16 +45,14 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import triton_op, wrap_triton
 
-from .. import fp8 as _fp8
-from ..cache_layout import FP8_TILE, CacheLayout
-from ..ops.torch_ops import Kernels as TorchKernels
-from .triton_kernels import heuristics as hx
-from .triton_kernels.attention import absorbed_attn_kernel, merge_splits_kernel
-from .triton_kernels.cache_write import write_latent_ds_kernel, write_latent_kernel
+from ... import fp8 as _fp8
+from ...cache_layout import FP8_TILE, CacheLayout
+from .jit import heuristics as hx
+from .jit.attention import absorbed_attn_kernel, merge_splits_kernel
+from .jit.cache_write import write_latent_ds_kernel, write_latent_kernel
 
 if TYPE_CHECKING:
-    from ..dims import MLADims
-    from ..plan import PlanPart
+    from ...plan import PlanPart
 
 _TL_DTYPE = {
     torch.float32: tl.float32,
@@ -82,7 +79,7 @@ def _check_runnable(device: torch.device, kernel: object) -> None:
     if not isinstance(kernel, InterpretedFunction):
         raise RuntimeError(
             f"the Triton kernels got {device.type} tensors but were compiled for a GPU: set "
-            "TRITON_INTERPRET=1 before mla_backend.ops.triton_ops is imported to run them on "
+            "TRITON_INTERPRET=1 before mla_backend.ops.triton.ops is imported to run them on "
             "CPU (slow; for tests), or use the torch path (MLA_BACKEND_IMPL=torch)"
         )
 
@@ -492,62 +489,3 @@ def _register_ops() -> None:
 
 
 _register_ops()
-
-
-class Kernels(TorchKernels):
-    """The Triton implementation of :class:`mla_backend.ops.KernelImpl`: cache write and
-    absorbed attention in Triton; the normal path's cache reads and MHA from the torch
-    implementation (torch's fused SDPA).
-
-    Tuning knobs (keyword arguments; tests use them to force paths):
-        num_kv_splits: force the split count (default :func:`heuristics.choose_num_splits`).
-        block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
-        fp8_mode: ``"native"`` or ``"bits"`` e4m3 conversion (default :func:`fp8_mode`).
-    """
-
-    name = "triton"
-
-    def __init__(
-        self,
-        *,
-        num_kv_splits: int | None = None,
-        block_n: int | None = None,
-        fp8_mode: str | None = None,
-    ) -> None:
-        super().__init__()
-        if num_kv_splits is not None and num_kv_splits < 1:
-            raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
-        self.num_kv_splits = num_kv_splits
-        self.block_n = block_n
-        self.fp8_mode = fp8_mode
-
-    def __repr__(self) -> str:
-        return (
-            f"triton_ops.Kernels(num_kv_splits={self.num_kv_splits}, block_n={self.block_n}, "
-            f"fp8_mode={self.fp8_mode})"
-        )
-
-    def work_shape(
-        self,
-        dims: MLADims,
-        new_lens: Sequence[int],
-        kv_lens: Sequence[int],
-        device: torch.device,
-    ) -> tuple[int, int]:
-        block_q, block_h = hx.attention_tiles(dims.num_heads, max(new_lens, default=1))
-        if self.num_kv_splits is not None:
-            return block_q, self.num_kv_splits
-        q_blocks = sum(-(-n // block_q) for n in new_lens)
-        programs = q_blocks * triton.cdiv(dims.num_heads, block_h)
-        return block_q, hx.choose_num_splits(
-            programs, max(kv_lens, default=0), hx.sm_count(device)
-        )
-
-    def write_latent(self, kv_cache, c_kv, k_pe, slot_mapping, kv_scale) -> None:
-        write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale, fp8_mode=self.fp8_mode)
-
-    def absorbed_attention(self, q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale):
-        return absorbed_attention(
-            q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale,
-            block_n=self.block_n, fp8_mode=self.fp8_mode,
-        )

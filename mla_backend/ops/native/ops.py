@@ -1,0 +1,135 @@
+"""Thin Python wrappers of the native ``torch.library`` ops (registered by
+:mod:`mla_backend.ops.native.build`): shapes and dtypes in, the op's outputs back. The device seam's
+native implementation (:mod:`mla_backend.ops.native.kernels`) calls these."""
+
+from __future__ import annotations
+
+import torch
+
+from .build import _state, require
+
+
+def simd_level() -> str:
+    """'avx512_bf16' when the bf16 engine was compiled in, else 'fp32' (portable engine)."""
+    require()
+    if "simd" not in _state:  # asked on every normal-path call: read the build once
+        _state["simd"] = "avx512_bf16" if torch.ops.mla_backend.native_simd_info() else "fp32"
+    return _state["simd"]  # type: ignore[return-value]
+
+
+def absorbed_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    num_kv_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention (MQA over the paged latent cache), decode or extend.
+
+    Args:
+        q_lat: [T, H, r] bf16/fp16/fp32 (last dim contiguous; may be a strided view).
+        q_pe: [T, H, rope], q_lat's dtype (rope may be 0).
+        kv_cache: [num_pages, page_size, r + rope], q's dtype or float8_e4m3fn; row =
+            [c_kv ; k_pe]; value = its first r columns. Or uint8 [num_pages, page_size, W]:
+            ``fp8_ds_mla`` rows, W = ``CacheLayout.ds_mla(r, rope, q_lat.dtype).width`` (656
+            at r 512, rope 64, bf16); value = the dequantized c_kv.
+        block_table: [B, max_pages] int32, physical page of each logical page.
+        cu_seqlens_q: [B + 1] int32; request i owns query rows cu[i]:cu[i+1] (may be empty).
+        kv_lens: [B] int32, cached tokens of request i (prefix + new), >= its new tokens.
+        softmax_scale: float > 0.
+        kv_scale: float32 0-d tensor; cached value = stored * kv_scale (None = 1.0; ignored for
+            ``fp8_ds_mla``, whose scales are in the rows).
+        num_kv_splits: kv splits per request (0 = the kernel chooses).
+
+    Returns:
+        o_lat: [T, H, r] in q's dtype; lse: [T, H] float32 (natural log).
+
+    Query row j of request i sits at position kv_len_i - n_i + j and attends causally to kv
+    positions 0 .. kv_len_i - n_i + j. Scores and softmax are fp32.
+    """
+    require()
+    return torch.ops.mla_backend.native_absorbed_attention(
+        q_lat,
+        q_pe,
+        kv_cache,
+        block_table,
+        cu_seqlens_q,
+        kv_lens,
+        float(softmax_scale),
+        kv_scale,
+        int(num_kv_splits),
+    )
+
+
+def write_latent(
+    kv_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Write ``[c_kv ; k_pe]`` into the paged cache, in place.
+
+    Args:
+        kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, or uint8
+            [num_pages, page_size, ``CacheLayout.ds_mla(r, rope, c_kv.dtype).width``]
+            (``fp8_ds_mla``: per tile of 128 values scale = max(amax / 448, FLT_MIN), e4m3 of
+            clamp(value / scale), k_pe stored in c_kv's dtype; bit-identical to
+            ``CacheLayout.pack``, the torch path's writer).
+        c_kv: [T, r]; k_pe: [T, rope] (bf16/fp16/fp32).
+        slot_mapping: [>= T] int32/int64; token t goes to page slot // page_size, row
+            slot % page_size; slot < 0 is padding (skipped).
+        kv_scale: float32 0-d tensor (fp8 cache only): stored = clamp(value / kv_scale, -448,
+            448) rounded to nearest-even e4m3, bit-identical to torch's ``.to(float8_e4m3fn)``.
+    """
+    require()
+    torch.ops.mla_backend.native_write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
+
+
+def pack_heads(w: torch.Tensor) -> torch.Tensor:
+    """Pack a per-head weight once for :func:`head_gemm`.
+
+    Args:
+        w: [H, K, N] bfloat16 (``W_UK`` [H, nope, r] or ``W_UV`` [H, r, v]).
+    Returns:
+        [H, ceil(N / 64), ceil(K / 2), 64, 2] bfloat16: VNNI pairs of rows in blocks of 64
+        columns, zero-padded (same element count as ``w`` up to the padding).
+    """
+    require()
+    return torch.ops.mla_backend.native_pack_heads(w)
+
+
+def head_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``y[t, h] = x[t, h] · w[h]`` for every head, w given packed (:func:`pack_heads`).
+
+    Args:
+        x: [T, H, K] bfloat16, last dim contiguous (any other strides: a view of q is fine).
+        packed: :func:`pack_heads` of w [H, K, N].
+        n: N, the output width.
+    Returns:
+        y: [T, H, N] bfloat16, contiguous; fp32 sums, rounded once (nearest even).
+    """
+    require()
+    return torch.ops.mla_backend.native_head_gemm(x, packed, int(n))
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-head attention with its log-sum-exp (the normal path's MHA), bf16, AVX512-BF16.
+
+    Args:
+        q: [H, Lq, Dqk]; k: [H, Lk, Dqk]; v: [H, Lk, Dv]; bfloat16, last dims contiguous (any
+            other strides).
+        causal: top-left causal (key j visible to query i iff j <= i).
+        scale: softmax scale of ``q·k``.
+    Returns:
+        o [H, Lq, Dv] bfloat16 (probabilities rounded to bf16 before P·V, fp32 sums), lse
+        [H, Lq] float32 (natural log; -inf and o = 0 for a row that sees no key).
+    """
+    require()
+    return torch.ops.mla_backend.native_attention_with_lse(q, k, v, bool(causal), float(scale))
