@@ -1,7 +1,8 @@
-"""Extend benchmark of the native CPU absorbed-MLA kernel: several new tokens per request, causal
+"""``python -m benchmarks extend``: absorbed MLA extend, our native kernels at one ISA level
+(``--isa``, default the selected one): several new tokens per request, causal
 among them, onto a cached prefix (chunked prefill continuation, prefix-cache hits, speculative
-verify). Compared with the core's torch path and, when vLLM is importable, vLLM's CPU extend
-kernel (``torch.ops._C.extend_attention_cpu``, sgl-kernel's) on the same data.
+verify). Compared with the core's torch path and, when vLLM is importable, AMX_MLA's CPU extend
+kernel (``torch.ops._C.extend_attention_cpu``, sgl-kernel's; only where it runs) on the same data.
 
 Ours is called the way an engine calls it: ``mb.MLABatch.build`` (phase EXTEND) + ``mb.plan``
 (policy ``absorb``, ``impl='native'`` or ``'torch'``) + ``mb.absorbed_attention`` over a paged
@@ -17,34 +18,28 @@ dtype (no fp8 rows), head sizes that are multiples of 32, and one kv head in the
 (a cache with more heads than ``k_extend`` makes it skip the prefix). Its output is checked
 against ours before timing.
 
-Kernels are timed interleaved (round-robin, best of N) with the roofline probes of
-``native_decode_bench`` (peak bf16 matmul FLOP/s, streaming read bandwidth) in the same rounds.
+Kernels are timed interleaved (round-robin, best of N) with the harness's roofline probes (the
+better of a bf16 and an fp32 GEMM, streaming read bandwidth) in the same rounds.
 FLOPs count the causal triangle exactly: per request sum_j 2 * H * (prefix + j + 1) * (r + rope
 + r); bytes = cache rows (prefix + new) in the cache dtype + q (r + rope) and o (r) in bf16.
 roof = min(peak, intensity x bw) / achieved.
 
-    python benchmarks/native_extend_bench.py [--quick] [--heads 16,128] [--batches 1,4]
+    python -m benchmarks extend [--quick] [--isa LEVEL] [--heads 16,128] [--batches 1,4]
         [--prefixes 0,1024,4096] [--news 16,128,512] [--rounds 3] [--max-gflop 320]
-        [--torch-max-gflop 40]
 
-Run it in the vLLM environment (``.nox/vllm/bin/python``) to include vLLM's kernel.
+Run it in the vLLM environment (``.nox/demo/bin/python``) to include vLLM's kernel.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import paged_latents, write_table
-from native_decode_bench import _ROOF, bench_round, roofline_operands
-
 import mla_backend as mb
-from mla_backend.ops import native
+
+from . import harness, vllm_ops
+from .problems import paged_latents
 
 FP8 = torch.float8_e4m3fn
 R, ROPE, PAGE = 512, 64, 64
@@ -52,12 +47,9 @@ DIMS_NOPE_V = 128
 
 
 def vllm_extend_kernel():
-    try:
-        import vllm._custom_ops  # noqa: F401
-
-        return torch.ops._C.extend_attention_cpu
-    except Exception:
-        return None
+    """AMX_MLA's extend kernel where it runs here, else None."""
+    ops = vllm_ops.vllm_ops()
+    return torch.ops._C.extend_attention_cpu if vllm_ops.amx_mla_runs(ops) else None
 
 
 def extend_flops(H: int, B: int, P: int, N: int) -> float:
@@ -113,7 +105,7 @@ def vllm_call(vk, cache, table, B, P, N, q, scale):
     return call
 
 
-def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop):
+def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop, roof, isa):
     scale = 1.0 / (192**0.5)
     L = P + N
     dims = mb.MLADims(H, R, DIMS_NOPE_V, ROPE, DIMS_NOPE_V)
@@ -132,7 +124,10 @@ def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop):
         [P] * B, [N] * B, table, PAGE, mb.Phase.EXTEND, block_table_host=table
     )
     pol = mb.Policy("absorb")
-    plans = {impl: mb.plan(batch, dims, pol, impl=impl) for impl in ("native", "torch")}
+    plans = {
+        "native": mb.plan(batch, dims, pol, impl=harness.native_kernels(isa)),
+        "torch": mb.plan(batch, dims, pol, impl="torch"),
+    }
     fns = {}
     for name, (cache, ks) in caches.items():
         fns[f"native_{name}"] = lambda c=cache, s=ks: mb.absorbed_attention(
@@ -159,11 +154,9 @@ def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop):
         + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()),
         flush=True,
     )
-    fns["_peak"] = lambda: torch.mm(_ROOF["a"], _ROOF["b"])
-    fns["_bw"] = lambda: torch.mm(_ROOF["x"], _ROOF["big"].t())
-    times = bench_round(fns, rounds, min_time)
-    peak = 2 * _ROOF["a"].shape[0] ** 3 / times.pop("_peak")
-    bw = _ROOF["big"].numel() * 2 / times.pop("_bw")
+    fns.update(roof.probes())
+    times = harness.interleaved(fns, rounds, min_time)
+    peak, bw, _ = roof.take(times)
     res = {"_roof": (peak, bw), "_diff": diffs}
     for k, t in times.items():
         nbytes = extend_bytes(H, B, P, N, (R + ROPE) * (1 if k.endswith("fp8") else 2))
@@ -172,8 +165,10 @@ def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop):
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks extend",
+                                 description=__doc__.split("\n\n")[0])  # fmt: skip
+    ap.add_argument("--isa", default=None, help="our native ISA level (default: selected)")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--prefixes", default="0,1024,4096")
@@ -189,20 +184,18 @@ def main() -> None:
         default=40.0,
         help="skip the torch path above this many GFLOP per call (slow)",
     )
-    ap.add_argument("--quick", action="store_true", help="a few shapes, 2 rounds, no file")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="a few shapes, 2 rounds")
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
-    if not native.available():
-        sys.exit(f"native kernels unavailable: {native.unavailable_reason()}")
+    isa = args.isa or harness.selected_isa()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     heads, batches = ints(args.heads), ints(args.batches)
     prefixes, news = ints(args.prefixes), ints(args.news)
     if args.quick:
         heads, batches, prefixes, news, args.rounds = [16, 128], [1], [1024], [128], 2
     vk = vllm_extend_kernel()
-    load0 = os.getloadavg()
-    roofline_operands()
-    print(f"native engine {native.simd_level()}; vLLM extend kernel {'yes' if vk else 'no'}")
+    roof = harness.Roofline()
+    print(f"native ISA {isa}; AMX_MLA extend kernel {'yes' if vk else 'no'}")
     header = ["H", "batch", "prefix", "new", "GFLOP", "FLOP/B", "peak TF/s", "bw GB/s"]
     header += ["native bf16 ms", "GF/s", "roof"]
     if vk is not None:
@@ -219,7 +212,7 @@ def main() -> None:
                         skipped.append(f"H{H}/B{B}/P{P}/N{N} ({gf:.0f} GFLOP)")
                         continue
                     res = run_shape(
-                        H, B, P, N, args.rounds, args.min_time, vk, args.torch_max_gflop
+                        H, B, P, N, args.rounds, args.min_time, vk, args.torch_max_gflop, roof, isa
                     )
                     peak, bw = res.pop("_roof")
                     diffs = res.pop("_diff")
@@ -236,44 +229,39 @@ def main() -> None:
                     row += [f"{nf[0] * 1e3:.3f}", f"{nf[1]:.0%}", f"{nb[0] / nf[0]:.2f}x"]
                     rows.append(row)
                     print(" | ".join(row), flush=True)
-    load1 = os.getloadavg()
     pk = [p for p, _ in roofs]
     bws = [b for _, b in roofs]
     notes = [
         "extend: every request has `prefix` cached tokens and `new` query tokens, causal among "
         "them; GFLOP counts the causal triangle exactly (2 H (new prefix + new (new+1)/2) "
         "(r + rope + r) per request); FLOP/B = GFLOP / bytes (bf16 cache rows + bf16 q and o)",
-        "roofline measured per shape, in the same interleaved rounds as the kernels (1536^3 "
-        "bf16 matmul; skinny matmul streaming 256 MiB): peak "
+        "roofline measured per shape, in the same interleaved rounds as the kernels (the "
+        "better of a 1024^3 bf16 and fp32 GEMM; skinny matmul streaming 256 MiB): peak "
         f"{min(pk) / 1e12:.3f}..{max(pk) / 1e12:.3f} TFLOP/s, read bandwidth "
         f"{min(bws) / 1e9:.2f}..{max(bws) / 1e9:.2f} GB/s over the run; roof = fraction of "
         "min(peak, intensity x bw) (fp8 rows count 1 byte per cached element)",
-        f"native engine: {native.simd_level()}; kernels timed interleaved, best of "
+        f"native = our kernels at ISA level {isa}; kernels timed interleaved, best of "
         f"{args.rounds} rounds of >= {args.min_time}s each (a kernel whose warm-up call takes "
         "over 1 s: first round only)",
         "native / torch = mb.MLABatch.build(phase EXTEND) + mb.plan(Policy('absorb'), "
-        "impl='native' / 'torch') + mb.absorbed_attention; torch nan = skipped above "
-        f"{args.torch_max_gflop:.0f} GFLOP",
-        "vLLM = torch.ops._C.extend_attention_cpu (sgl-kernel's CPU extend; bf16 only, no fp8 "
-        "cache) as MQA with 1 kv head: K = 576-wide latent rows, V = their first 512 columns; "
+        "impl=our kernels at that level / 'torch') + mb.absorbed_attention; torch nan = "
+        f"skipped above {args.torch_max_gflop:.0f} GFLOP",
+        "vLLM = AMX_MLA's torch.ops._C.extend_attention_cpu (sgl-kernel's CPU extend; bf16 "
+        "only, no fp8 cache) as MQA with 1 kv head: K = 576-wide latent rows, V = their first "
+        "512 columns; "
         "prefix through req_to_token over the same cache, new rows as contiguous k_extend / "
         "v_extend built outside the timing; its output checked against ours before timing "
         "(vLLM diff = max |o_vLLM - o_native|)"
         if vk is not None
-        else "vLLM not importable in this environment",
+        else "AMX_MLA's extend: "
+        + (vllm_ops.amx_mla_unavailable() or "vLLM not importable here")
+        + " (no column; CPU_MLA has no extend kernel)",
         "vs vLLM / vs torch = their time / native bf16 time (> 1: ours faster); on a loaded "
         "machine a roof above 100% means the probes of that shape were slowed more than the "
         "kernel (compare ratios within a row, not fractions across runs)",
-        f"load average at start {load0[0]:.2f}, at end {load1[0]:.2f} (machine shared; "
-        f"{os.cpu_count()} CPUs)",
     ]
     if skipped:
         notes.append(f"skipped (over --max-gflop {args.max_gflop:.0f}): " + ", ".join(skipped))
-    if args.quick:
-        print("\n".join(notes))
-        return
-    write_table("native_extend", header, rows, notes)
-
-
-if __name__ == "__main__":
-    main()
+    title = f"Absorbed MLA extend, our kernels at {isa}, vs AMX_MLA's extend"
+    harness.write_result("extend", title, notes, harness.table(header, rows))
+    return 0

@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton absorbed-MLA kernels on FlashMLA's published shapes.
+"""``python -m benchmarks gpu``: the Triton absorbed-MLA kernels on FlashMLA's published shapes.
 
 Needs a CUDA or ROCm device (on CPU it says so and exits 0: the Triton interpreter is a
 correctness tool, its timings mean nothing). Shapes follow FlashMLA's decode benchmark:
@@ -17,16 +17,15 @@ Each shape is planned once (``mb.plan`` with ``triton_ops.Kernels()``) and timed
 per-layer call ``mb.absorbed_attention``; ``graph_ms`` times the same call replayed from a
 CUDA graph (after checking a replay reproduces the eager output bit for bit).
 
-Usage: python benchmarks/triton_gpu_bench.py [--cache fp8|fp8_ds_mla] [--quick] [--no-check]
+Usage: python -m benchmarks gpu [--cache fp8|fp8_ds_mla] [--quick] [--no-check]
            [--no-graph] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
-       TRITON_INTERPRET=1 python benchmarks/triton_gpu_bench.py --smoke   (CPU: plumbing only)
+       TRITON_INTERPRET=1 python -m benchmarks gpu --smoke   (CPU: plumbing only)
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 from collections.abc import Callable
 
 import torch
@@ -174,7 +173,8 @@ def sweep(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument(
         "--cache", choices=["bf16", "fp8", "fp8_ds_mla"], default="bf16", help="latent cache"
     )
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import triton
     except ImportError:
-        print("triton_gpu_bench: triton is not installed (pip install 'mla-backend[triton]')")
+        print("benchmarks gpu: triton is not installed (pip install 'mla-backend[triton]')")
         return 0
     from mla_backend.ops.triton_kernels import heuristics as hx
 
@@ -292,6 +292,3 @@ def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:
     )
     return 0 if worst < 5e-2 else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,12 @@
 """Run one vLLM attention backend on a fixed workload and report tokens/s, generations,
 KV-cache bytes per token and attention-weight bytes per layer beyond the checkpoint's; used
-by the demo (examples/vllm_demo.py) and the benchmark
-(benchmarks/vllm_bench.py).
+by the demo (``examples/vllm_demo.py``) and the engine benchmark (``python -m benchmarks vllm``).
 
 Every timed iteration uses prompts no earlier run has seen (no prefix-cache hits). Each
-backend runs in its own fresh process (``python benchmarks/compare.py
-SPEC.json``) so only one engine is alive at a time and every backend starts from the same
-state. The child prints one JSON line prefixed with ``RESULT:``.
+backend runs in its own fresh process (``python -m mla_backend.testing.vllm_runner``, the spec
+as JSON on stdin) so only one engine is alive at a time and every backend starts from the same
+state. The child prints one JSON line prefixed with ``RESULT:``; an engine that fails to start
+or run raises :class:`EngineFailed` with the reason from its log.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_amx import FORCE_ENV, engine_env, selected_from_log
+from .vllm_backends import FORCE_ENV, engine_env, failure_reason, selected_from_log
 
 _PREFIX = "RESULT:"
 _ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
+# native ISA levels whose absorption GEMM keeps packed copies of W_UK / W_UV
+_PACKED_ISAS = ("avx512_bf16", "amx")
 
 
 @dataclass
@@ -42,10 +44,23 @@ class Workload:
 
 @dataclass
 class RunSpec:
+    """One engine run: ``backend`` on ``model``, our native kernels at ``isa`` (None: the
+    process's default level)."""
+
     model: str
     backend: str
     workloads: list[Workload]
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    isa: str | None = None
+
+
+class EngineFailed(RuntimeError):
+    """An engine process failed; ``reason`` is one line from its log."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(f"{backend}: {reason}")
+        self.backend = backend
+        self.reason = reason
 
 
 def kv_bytes_per_token(
@@ -59,9 +74,9 @@ def kv_bytes_per_token(
     r, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     model_elem = _ELEM.get(model_dtype or "", _ELEM.get(cfg.get("torch_dtype") or "", 2))
     if kv_cache_dtype == "fp8_ds_mla":
-        from mla_backend.cache_layout import CacheLayout
-
         import torch
+
+        from mla_backend.cache_layout import CacheLayout
 
         rope_dtype = {4: torch.float32, 2: torch.bfloat16}[model_elem]
         row = CacheLayout.ds_mla(r, rope, rope_dtype).bytes_per_token
@@ -90,15 +105,18 @@ def engine_kv_bytes_per_token(llm: Any) -> int | None:
     return per_token
 
 
-def attn_weight_extra_bytes(model_dir: str | Path, backend: str, dtype: str) -> int:
+def attn_weight_extra_bytes(
+    model_dir: str | Path, backend: str, dtype: str, native_isa: str = "scalar"
+) -> int:
     """Attention-weight bytes per layer that a backend holds beyond the checkpoint's
     ``kv_b_proj`` weight (unquantized checkpoints), with K = H * (nope + v) * r elements
     (``kv_b_proj``'s size), c = checkpoint element size, a = the model's (``dtype``):
 
     - MLA_ABSORB: the core's ``W_UK`` [H, nope, r] + ``W_UV`` [H, r, v] in the model dtype
-      (K * a, ``mla_backend.weights_from_kv_b_proj``), plus, for a bf16 model on a CPU with
-      AVX512-BF16, the native kernels' packed copies of both (``native.pack_heads``: K * a up
-      to padding to even rows and blocks of 64 columns), plus what vLLM's ``MLAAttention`` makes
+      (K * a, ``mla_backend.weights_from_kv_b_proj``), plus, for a bf16 model where our
+      kernels run at ``native_isa`` avx512_bf16 or amx, the native kernels' packed copies of
+      both (``native.pack_heads``: K * a up to padding to even rows and blocks of 64
+      columns), plus what vLLM's ``MLAAttention`` makes
       for every backend but AMX_MLA (``W_UK_T`` / ``W_UV``, see CPU_MLA).
     - CPU_MLA (vLLM's generic path, ``MLAAttention.process_weights_after_loading``):
       ``W_UK_T`` / ``W_UV`` are views of ``kv_b_proj.weight`` when it is already in the model
@@ -119,7 +137,7 @@ def attn_weight_extra_bytes(model_dir: str | Path, backend: str, dtype: str) -> 
         return K * a - K * c
     if backend == "MLA_ABSORB":
         packed = 0
-        if a == 2 and dtype == "bfloat16" and _cpu_has_avx512_bf16():
+        if a == 2 and dtype == "bfloat16" and native_isa in _PACKED_ISAS:
             H, nope, v = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
             r, cols = cfg["kv_lora_rank"], 64
             packed = H * 2 * cols * a * (
@@ -129,16 +147,12 @@ def attn_weight_extra_bytes(model_dir: str | Path, backend: str, dtype: str) -> 
     return generic
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
 def _child(spec: RunSpec) -> dict[str, Any]:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from .host import selected_isa
 
     t0 = time.perf_counter()
     kwargs = dict(spec.engine_kwargs)
@@ -154,6 +168,7 @@ def _child(spec: RunSpec) -> dict[str, Any]:
     result: dict[str, Any] = {
         "backend": spec.backend,
         "amx_forced": os.environ.get(FORCE_ENV) == "1",
+        "native_isa": selected_isa(),
         "model_dtype": str(cfg.model_config.dtype).removeprefix("torch."),
         "startup_s": startup,
         "block_size": cfg.cache_config.block_size,
@@ -219,8 +234,12 @@ def _child(spec: RunSpec) -> dict[str, Any]:
 
 
 def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
-    """Run ``spec`` in a fresh Python process; return its result dict (raises on failure)."""
-    env, _ = engine_env(spec.backend)
+    """Run ``spec`` in a fresh Python process and return its result dict; raise
+    :class:`EngineFailed` (with the reason from the engine's log) when it fails."""
+    try:
+        env, _ = engine_env(spec.backend, isa=spec.isa)
+    except RuntimeError as e:
+        raise EngineFailed(spec.backend, str(e)) from e
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -232,26 +251,27 @@ def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
             "workloads": [asdict(w) for w in spec.workloads],
         }
     )
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        input=payload,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", __name__],
+            input=payload,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise EngineFailed(spec.backend, f"no result within {timeout:.0f} s") from e
     for line in proc.stdout.splitlines():
         if line.startswith(_PREFIX):
             result = json.loads(line[len(_PREFIX) :])
             # the backend the engine ran: vLLM's CPU platform may serve another than asked
             result["selected"] = selected_from_log(proc.stdout + proc.stderr) or "?"
             result["attn_weight_extra_bytes_per_layer"] = attn_weight_extra_bytes(
-                spec.model, result["selected"], result["model_dtype"]
+                spec.model, result["selected"], result["model_dtype"], result["native_isa"]
             )
             return result
-    raise RuntimeError(
-        f"backend {spec.backend} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
-    )
+    raise EngineFailed(spec.backend, failure_reason(proc.stderr + proc.stdout, proc.returncode))
 
 
 def main() -> None:

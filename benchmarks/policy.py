@@ -1,33 +1,33 @@
-"""Checks the policy against measurement: for extends of N new tokens onto P cached ones,
-time the absorbed path and the normal path side by side (full paths, including the
-absorption bmms / the decompression) and report which one the cost model picks.
+"""``python -m benchmarks policy``: checks the policy against measurement: for extends of N
+new tokens onto P cached ones, time the absorbed path and the normal path side by side (full
+paths, including the absorption bmms / the decompression) and report which one the cost model picks.
 
-    python benchmarks/mla_policy_bench.py [--heads 128,16] [--quick]
+    python -m benchmarks policy [--heads 128,16] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mla_backend as mb  # noqa: E402
-from common import paged_latents, random_weights, write_table  # noqa: E402
-from roofline import best_time  # noqa: E402
+import mla_backend as mb
+
+from . import harness
+from .harness import best_time, write_result
+from .problems import paged_latents, random_weights
 
 DT = torch.bfloat16
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks policy",
+                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     ap.add_argument("--heads", default="128,16")
     ap.add_argument("--prefix", default="0,1024,4096")
     ap.add_argument("--new", default="16,64,128,256,512,1024")
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     prefixes = [0, 1024] if args.quick else [int(x) for x in args.prefix.split(",")]
     news = [16, 256] if args.quick else [int(x) for x in args.new.split(",")]
     policy = mb.Policy("cost")
@@ -56,15 +56,14 @@ def main() -> None:
                 rows.append([str(h), str(P), str(N), f"{ta * 1e3:.1f}", f"{tn * 1e3:.1f}",
                              faster, picked, "yes" if ok else "NO"])
                 print(" ".join(rows[-1]), flush=True)
-    write_table(
-        "mla_policy",
-        ["H", "prefix P", "new N", "absorbed ms", "normal ms", "faster", "policy picks", "ok"],
-        rows,
+    header = ["H", "prefix P", "new N", "absorbed ms", "normal ms", "faster", "policy picks",
+              "ok"]  # fmt: skip
+    write_result(
+        "policy",
+        "Cost policy vs measurement: absorbed or normal path",
         ["bf16, page 64, shuffled pages, r=512 rope=64 nope=v=128; one request per step",
          f"policy agrees with the measurement in {agree}/{total} cases "
          "(a pick within 10% of the faster path counts as agreeing)"],
+        harness.table(header, rows),
     )
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,11 +1,12 @@
-"""SGLang one-batch benchmark on CPU: ``mla_absorb`` vs SGLang's in-tree CPU attention backend.
+"""``python -m benchmarks sglang``: SGLang one-batch on CPU, ``mla_absorb`` vs SGLang's in-tree
+CPU attention backend.
 
 Runs SGLang's own ``sglang.benchmark.one_batch`` (static batch, no server: one prefill of
 ``batch x input_len`` tokens, then ``output_len`` decode steps) once per backend, each in its
 own process (``SGLANG_USE_CPU_ENGINE=1``, plugins loaded first, so ``mla_absorb`` parses), on
 a tiny DeepSeek-V2 checkpoint with DeepSeek-V2-Lite attention dims (16 heads, latent 512 +
 rope 64, nope 128, v 128; 2 layers, hidden 256, bf16, random weights) unless ``--model`` is
-given. Writes the raw results (jsonl) and a markdown table to ``benchmarks/results/``.
+given. Writes ``benchmarks/results/sglang-latest.md`` (and the history).
 
 The in-tree comparison on this machine is ``torch_native`` (``intel_amx`` needs the sgl-kernel
 CPU build, which does not exist on PyPI; ``triton`` needs a GPU). With SGLang's default
@@ -18,7 +19,7 @@ A backend that fails is reported in the table with its error, not dropped.
 SGLang imports torchvision and sgl_kernel at module level; the import-only stand-ins of the
 test suite (``integrations/sglang/tests/stubs``) are put on PYTHONPATH.
 
-    python benchmarks/sglang_bench.py [--batch-sizes 1 8] [--input-lens 256 1024]
+    python -m benchmarks sglang [--batch-sizes 1 8] [--input-lens 256 1024]
         [--output-len 32] [--backends mla_absorb torch_native] [--model DIR]
 """
 
@@ -33,18 +34,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-STUBS = ROOT / "integrations" / "sglang" / "tests" / "stubs"
-RESULTS = ROOT / "benchmarks" / "results"
-YARN = {
-    "type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+from mla_backend.testing.tiny_model import YARN_ROPE_SCALING, make_tiny_deepseek_v2
+from mla_backend.testing.vllm_backends import failure_reason
+
+from . import harness
+
+STUBS = harness.ROOT / "integrations" / "sglang" / "tests" / "stubs"
 
 
 def _worker(argv: list[str]) -> None:
@@ -84,7 +79,7 @@ def run_backend(
     elif mode:
         env["MLA_BACKEND_POLICY"] = mode
     env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env["PYTHONPATH"] = str(STUBS) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(STUBS), str(harness.ROOT), env.get("PYTHONPATH", "")])
     argv = [
         "--model-path", str(model),
         "--device", "cpu",
@@ -98,7 +93,7 @@ def run_backend(
         "--result-filename", str(result_file),
     ]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, __file__, "--_worker", *argv],
+        [sys.executable, "-m", __name__, "--_worker", *argv],
         env=env,
         capture_output=True,
         text=True,
@@ -106,9 +101,7 @@ def run_backend(
     )
     if proc.returncode == 0:
         return None
-    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (errors or lines or [f"exit code {proc.returncode}"])[-1][:200]
+    return failure_reason(proc.stderr + proc.stdout, proc.returncode)[:200]
 
 
 def best_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,7 +139,8 @@ def table(rows: list[dict[str, Any]], failures: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks sglang",
+                                description=__doc__.splitlines()[0])  # fmt: skip
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--input-lens", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--output-len", type=int, default=32)
@@ -154,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         "--backends", nargs="+", default=["mla_absorb", "mla_absorb:absorb", "torch_native:absorb"]
     )
     p.add_argument("--model", type=Path, default=None, help="model folder (default: tiny)")
-    p.add_argument("--out", type=Path, default=RESULTS / "sglang_one_batch")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per backend")
     p.add_argument("--repeat", type=int, default=2, help="interleaved sweeps; best is kept")
     p.add_argument("--threads", type=int, default=1, help="OMP/torch threads per run")
@@ -163,10 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from mla_backend.testing.tiny_model import make_tiny_deepseek_v2
-
             model = Path(tmp) / "tiny-v2-lite-dims"
-            make_tiny_deepseek_v2(model, seed=0, dtype="bfloat16", rope_scaling=YARN)
+            make_tiny_deepseek_v2(model, seed=0, dtype="bfloat16", rope_scaling=YARN_ROPE_SCALING)
         raw = Path(tmp) / "raw.jsonl"
         failures: dict[str, str] = {}
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -182,27 +173,22 @@ def main(argv: list[str] | None = None) -> int:
                     failures[backend] = err
                 print(f"[{rep}] {backend}: {'ok' if err is None else 'FAILED: ' + err}", flush=True)
         rows = [json.loads(ln) for ln in raw.read_text().splitlines()] if raw.exists() else []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    md = table(best_of(rows), failures)
     desc = (
         "tiny DeepSeek-V2, V2-Lite attention dims (16 heads, 512+64, nope 128, v 128), "
         "2 layers, hidden 256, bf16, random weights"
         if args.model is None
         else str(args.model)
     )
-    header = (
-        "# SGLang one-batch benchmark (CPU, `sglang.benchmark.one_batch`)\n\n"
-        f"Model: {desc}; machine: {os.cpu_count()} cores, load average at the end "
-        f"{os.getloadavg()[0]:.1f} (a shared machine: compare rows of one run only).\n"
-        "`torch_native:absorb` = torch_native with every batch on the absorbed path "
-        "(benchmark glue; its default MHA prefill crashes on the latent pool). "
-        "`mla_absorb` = default cost policy. "
-        f"{args.threads} thread(s) per run; best of {args.repeat} interleaved sweeps "
-        f"(raw runs in {args.out.with_suffix('.jsonl').name}).\n\n"
-    )
-    args.out.with_suffix(".md").write_text(header + md)
-    print(md)
+    notes = [
+        f"`sglang.benchmark.one_batch`; model: {desc}; a shared machine: compare rows of one "
+        "run only",
+        "`torch_native:absorb` = torch_native with every batch on the absorbed path (benchmark "
+        "glue; its default MHA prefill crashes on the latent pool); `mla_absorb` = default "
+        "cost policy",
+        f"{args.threads} thread(s) per run; best of {args.repeat} interleaved sweeps",
+    ]
+    harness.write_result("sglang", "SGLang one-batch benchmark (CPU)", notes,
+                         table(best_of(rows), failures))  # fmt: skip
     return 0
 
 
