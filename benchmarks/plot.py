@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mla_backend.testing import host
+
 from . import harness
 
 COLORS = {"ours": "tab:blue", "CPU_MLA": "tab:orange", "AMX_MLA": "tab:red", "torch": "tab:gray"}
@@ -43,8 +45,8 @@ def roofline_per_isa(name: str, isas: list[str],
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOP / byte)")
         ax.set_ylabel("achieved GFLOP/s")
-        ax.set_title(f"MLA {name}, our kernels at {isa}\n{harness.describe_host()[:110]}",
-                     fontsize=9)  # fmt: skip
+        ax.set_title(f"MLA {name}, our kernels at {isa}\n{host.cpu_model()}, torch CPU "
+                     f"capability {host.torch_capability()}", fontsize=9)  # fmt: skip
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
