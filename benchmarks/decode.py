@@ -149,13 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         f"fp8_ds_mla {DS.bytes_per_token})",
         f"ours <isa> = mb.absorbed_attention with a plan on our native kernels at that ISA "
         f"level (levels: {', '.join(isas)}); torch = the core's torch path",
-        "CPU_MLA = torch.ops._C.mla_decode_kvcache (vLLM CPU_MLA's decode, any CPU)"
-        if ops is not None else "vLLM not importable here: no CPU_MLA / AMX_MLA columns",
-        "AMX_MLA = vLLM AMX_MLA's decode_attention_cpu (sgl-kernel's), req_to_token built "
-        "outside the timing" if amx else
-        "AMX_MLA: " + (vllm_ops.amx_mla_unavailable() or "not importable") + " (no column)",
         "X / ours <isa> > 1: ours faster",
-    ]
+    ] + vllm_ops.peer_notes(
+        ops, amx, "torch.ops._C.mla_decode_kvcache (vLLM CPU_MLA's decode, any CPU)",
+        "vLLM AMX_MLA's decode_attention_cpu (sgl-kernel's), req_to_token built outside the "
+        "timing",
+    )  # fmt: skip
     harness.write_result("decode", "Absorbed MLA decode per ISA level vs vLLM's CPU kernels",
                          notes, harness.table(header, rows))  # fmt: skip
     if results:

@@ -121,7 +121,7 @@ def utc_stamp() -> str:
 
 
 def write_result(name: str, title: str, notes: Sequence[str], body: str,
-                 out: Path = RESULTS) -> Path:  # fmt: skip
+                 out: Path | None = None) -> Path:  # fmt: skip
     """Print a result (title with the UTC time, the host line, notes, body) and keep it as
     ``<name>-latest.md``, appended to ``<name>-history.md`` (newest last)."""
     text = "\n".join(
@@ -130,6 +130,7 @@ def write_result(name: str, title: str, notes: Sequence[str], body: str,
         + [f"- {n}" for n in notes] + ["", body.rstrip(), ""]
     )  # fmt: skip
     print(text)
+    out = RESULTS if out is None else out
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}-latest.md").write_text(text)
     hist = out / f"{name}-history.md"

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     header = ["H", "batch", "prefix", "new"] + [f"ours {i} ms" for i in isas] + [
         f"{p} ms" for p in peers
     ] + [f"{p} / ours {i}" for p in peers for i in isas] + [
-        "policy picks", "ours picked ms", "max |diff| vs peers"
+        "policy picks", "ours picked ms", "max abs diff vs peers"
     ]  # fmt: skip
     rows = []
     for H, B, P, N in shapes(args.quick):
@@ -113,15 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         "ours <isa> = mb.MLAAttention(...)(q_nope, q_pe, cache, plan) with policy absorb on our "
         "native kernels at that level; picked = the cost policy's plan (normal path where it "
         "picks normal, else the absorbed one) at the selected level",
-        "CPU_MLA = vLLM's generic MLAAttention + CPUMLAImpl sequence: torch.bmm on W_UK_T "
-        "(kv_b's [r, H, nope] permuted to [H, nope, r], a strided view), cat, "
-        "mla_decode_kvcache, torch.bmm on W_UV; decode shapes only ('-' elsewhere)"
-        if ops is not None else "vLLM not importable here: no CPU_MLA / AMX_MLA columns",
-        "AMX_MLA = AMXMLAImpl's sequence: bmm_cpu (convert_weight_packed weights) + cat + "
-        "cpu_mla_decode / cpu_mla_extend + bmm_cpu" if amx else
-        "AMX_MLA: " + (vllm_ops.amx_mla_unavailable() or "not importable") + " (no column)",
         "X / ours > 1: ours faster",
-    ]
+    ] + vllm_ops.peer_notes(
+        ops, amx, "vLLM's generic MLAAttention + CPUMLAImpl sequence: torch.bmm on W_UK_T "
+        "(kv_b's [r, H, nope] permuted to [H, nope, r], a strided view), cat, "
+        "mla_decode_kvcache, torch.bmm on W_UV; decode shapes only ('-' elsewhere)",
+        "AMXMLAImpl's sequence: bmm_cpu (convert_weight_packed weights) + cat + "
+        "cpu_mla_decode / cpu_mla_extend + bmm_cpu",
+    )  # fmt: skip
     harness.write_result("layer", "One MLA layer, absorptions included, per ISA level vs vLLM",
                          notes, harness.table(header, rows))  # fmt: skip
     return 0

@@ -15,7 +15,7 @@ COLORS = {"ours": "tab:blue", "CPU_MLA": "tab:orange", "AMX_MLA": "tab:red", "to
 
 def roofline_per_isa(name: str, isas: list[str],
                      points: dict[str, list[tuple[float, float]]], peak: float, bw: float,
-                     out: Path = harness.RESULTS) -> list[Path]:  # fmt: skip
+                     out: Path | None = None) -> list[Path]:  # fmt: skip
     """Write ``roofline-<isa>-latest.png`` per level from ``points`` (kernel label ->
     [(FLOP/byte, FLOP/s)]); labels are "ours <isa> <cache>" or "<peer> <cache>"."""
     try:
@@ -50,7 +50,7 @@ def roofline_per_isa(name: str, isas: list[str],
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
-        path = out / f"roofline-{isa}-latest.png"
+        path = (harness.RESULTS if out is None else out) / f"roofline-{isa}-latest.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         print(f"wrote {path}")

@@ -46,6 +46,15 @@ def amx_mla_runs(ops: Any | None) -> bool:
     )
 
 
+def peer_notes(ops: Any | None, amx: bool, cpu_mla: str, amx_mla: str) -> list[str]:
+    """Table notes: what the CPU_MLA / AMX_MLA columns ran, or why a column is missing."""
+    if ops is None:
+        return ["vLLM not importable here: no CPU_MLA / AMX_MLA columns"]
+    why = amx_mla_unavailable() or "its kernels are not loaded"
+    return [f"CPU_MLA = {cpu_mla}",
+            f"AMX_MLA = {amx_mla}" if amx else f"AMX_MLA: {why} (no column)"]  # fmt: skip
+
+
 def _splits(max_len: int) -> int:
     """AMX_MLA's builder: the power of two >= max_seq // 512, at most 2 x threads."""
     s = 1
