@@ -117,13 +117,21 @@ def torch_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
+def has_amx() -> bool:
+    """AMX tiles usable here (torch's check, which also asks the OS for permission)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def describe() -> str:
     """One line naming the CPU and ISA levels, for every table and demo output."""
     isas = host_isas()
     env = os.environ.get(ISA_ENV)
     return (
         f"CPU: {cpu_model()} ({os.cpu_count()} cores, {platform.machine()}); torch CPU "
-        f"capability {torch_capability()}; our native kernels: {selected_isa()}"
+        f"capability {torch_capability()}, AMX tiles {'yes' if has_amx() else 'no'}; "
+        f"our native kernels: {selected_isa()}"
         + (f" (forced by {ISA_ENV}={env})" if env else "")
         + f", levels this CPU runs: {', '.join(isas) if isas else 'none'}"
     )

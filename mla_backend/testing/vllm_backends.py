@@ -18,7 +18,7 @@ import re
 import signal
 from pathlib import Path
 
-from .host import ISA_ENV
+from .host import ISA_ENV, has_amx
 
 SHIM_DIR = Path(__file__).resolve().parent / "amx_shim"
 FORCE_ENV = "MLA_BENCH_FORCE_AMX_MLA"
@@ -30,13 +30,6 @@ FORCED_NOTE = (
 )
 _USING = re.compile(r"Using (\w+) backend\.")
 _ERROR = re.compile(r"(Error|Exception|error:|Illegal instruction|Killed|Traceback)")
-
-
-def cpu_has_amx() -> bool:
-    """True where torch sees AMX tiles (and vLLM selects AMX_MLA by itself)."""
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def amx_mla_unavailable() -> str | None:
@@ -75,7 +68,7 @@ def engine_env(
     env = dict(os.environ if env is None else env)
     if isa is not None:
         env[ISA_ENV] = isa
-    if backend != "AMX_MLA" or cpu_has_amx():
+    if backend != "AMX_MLA" or has_amx():
         env.pop(FORCE_ENV, None)
         return env, False
     reason = amx_mla_unavailable()
