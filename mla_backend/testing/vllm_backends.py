@@ -91,8 +91,13 @@ def failure_reason(log: str, returncode: int | None = None) -> str:
     """A one-line reason an engine process failed: its last error line (else its last line),
     and the signal that killed it."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if _ERROR.search(ln) and not ln.startswith("Traceback")]
-    why = (errors or lines or ["no output"])[-1][-300:]
+    hits = [i for i, ln in enumerate(lines) if _ERROR.search(ln) and not ln.startswith("Traceback")]
+    if hits:  # the last error line, and the detail line after it (pydantic, torch checks)
+        i = hits[-1]
+        why = " ".join(lines[i : i + 2] if i + 1 < len(lines) and i + 1 not in hits else [lines[i]])
+    else:
+        why = lines[-1] if lines else "no output"
+    why = why[-300:]
     if returncode is not None and returncode < 0:
         try:
             why += f" (killed by {signal.Signals(-returncode).name})"
