@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -95,6 +97,46 @@ class Roofline:
         flops = {k: 2 * self.n**3 / times.pop(f"_gemm_{k}") for k in ("bf16", "fp32")}
         which = max(flops, key=lambda k: flops[k])
         return flops[which], self.big.numel() * 2 / times.pop("_stream"), which
+
+
+#: per native ISA level: the environment that caps torch's own kernels (ATen's vector code,
+#: oneDNN, MKL) at that level, for :func:`isa_gemm_ceiling`
+_ISA_ENV = {
+    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}  # fmt: skip
+_GEMM_PROBE = """
+import time, torch
+n = 1024
+best = 0.0
+for dt in (torch.bfloat16, torch.float32):
+    a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+    torch.mm(a, b)
+    for _ in range(3):
+        k, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.2:
+            torch.mm(a, b)
+            k += 1
+        best = max(best, 2 * n**3 * k / (time.perf_counter() - t0))
+print(best)
+"""
+
+
+def isa_gemm_ceiling(isa: str) -> float:
+    """The compute ceiling of one ISA level on this CPU: the better of a bf16 and an fp32
+    1024^3 GEMM in a child process whose torch kernels are capped at that level (FLOP/s)."""
+    env = dict(os.environ, **_ISA_ENV.get(isa, {}))
+    out = subprocess.run([sys.executable, "-c", _GEMM_PROBE], env=env, capture_output=True,
+                         text=True, timeout=600, check=True)  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def roof_fraction(flops: float, nbytes: float, t: float, peak: float, bw: float) -> float:
