@@ -10,7 +10,7 @@ import sys
 #: subcommand -> (module, one line)
 COMMANDS = {
     "decode": ("decode", "absorbed decode per native ISA level vs vLLM CPU_MLA / AMX_MLA"),
-    "extend": ("extend", "absorbed extend (prefix + new tokens) at one ISA level vs AMX_MLA"),
+    "extend": ("extend", "absorbed extend (prefix + new tokens) per ISA level vs AMX_MLA"),
     "layer": ("layer", "one MLA layer incl. both absorptions vs CPU_MLA / AMX_MLA op sequences"),
     "policy": ("policy", "does the cost policy pick the faster path (absorbed / normal)"),
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),

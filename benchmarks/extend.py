@@ -1,5 +1,6 @@
 """``python -m benchmarks extend``: absorbed MLA extend, our native kernels at one ISA level
-(``--isa``, default the selected one): several new tokens per request, causal
+(the best of ``--isas``, default every level this CPU runs; the others side by side on bf16):
+several new tokens per request, causal
 among them, onto a cached prefix (chunked prefill continuation, prefix-cache hits, speculative
 verify). Compared with the core's torch path and, when vLLM is importable, AMX_MLA's CPU extend
 kernel (``torch.ops._C.extend_attention_cpu``, sgl-kernel's; only where it runs) on the same data.
@@ -24,7 +25,7 @@ FLOPs count the causal triangle exactly: per request sum_j 2 * H * (prefix + j +
 + r); bytes = cache rows (prefix + new) in the cache dtype + q (r + rope) and o (r) in bf16.
 roof = min(peak, intensity x bw) / achieved.
 
-    python -m benchmarks extend [--quick] [--isa LEVEL] [--heads 16,128] [--batches 1,4]
+    python -m benchmarks extend [--quick] [--isas LEVELS] [--heads 16,128] [--batches 1,4]
         [--prefixes 0,1024,4096] [--news 16,128,512] [--rounds 3] [--max-gflop 320]
 
 Run it in the vLLM environment (``.nox/demo/bin/python``) to include vLLM's kernel.
@@ -105,7 +106,7 @@ def vllm_call(vk, cache, table, B, P, N, q, scale):
     return call
 
 
-def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop, roof, isa):
+def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop, roof, isas):
     scale = 1.0 / (192**0.5)
     L = P + N
     dims = mb.MLADims(H, R, DIMS_NOPE_V, ROPE, DIMS_NOPE_V)
@@ -125,13 +126,18 @@ def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop, roof, isa):
     )
     pol = mb.Policy("absorb")
     plans = {
-        "native": mb.plan(batch, dims, pol, impl=harness.native_kernels(isa)),
+        **{lvl: mb.plan(batch, dims, pol, impl=harness.native_kernels(lvl)) for lvl in isas},
+        "native": mb.plan(batch, dims, pol, impl=harness.native_kernels(isas[-1])),
         "torch": mb.plan(batch, dims, pol, impl="torch"),
     }
     fns = {}
     for name, (cache, ks) in caches.items():
         fns[f"native_{name}"] = lambda c=cache, s=ks: mb.absorbed_attention(
             q_lat, q_pe, c, plans["native"], scale, s
+        )
+    for lvl in isas[:-1]:
+        fns[f"native {lvl}_bf16"] = lambda p=plans[lvl]: mb.absorbed_attention(
+            q_lat, q_pe, caches["bf16"][0], p, scale, None
         )
     flops = extend_flops(H, B, P, N)
     if flops / 1e9 <= torch_max_gflop:
@@ -168,7 +174,7 @@ def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop, roof, isa):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks extend",
                                  description=__doc__.split("\n\n")[0])  # fmt: skip
-    ap.add_argument("--isa", default=None, help="our native ISA level (default: selected)")
+    ap.add_argument("--isas", default=None, help="native ISA levels (default: all this CPU runs)")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--prefixes", default="0,1024,4096")
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few shapes, 2 rounds")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    isa = args.isa or harness.selected_isa()
+    isas = args.isas.split(",") if args.isas else list(harness.host_isas())
+    isa = isas[-1]
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     heads, batches = ints(args.heads), ints(args.batches)
     prefixes, news = ints(args.prefixes), ints(args.news)
@@ -198,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"native ISA {isa}; AMX_MLA extend kernel {'yes' if vk else 'no'}")
     header = ["H", "batch", "prefix", "new", "GFLOP", "FLOP/B", "peak TF/s", "bw GB/s"]
     header += ["native bf16 ms", "GF/s", "roof"]
+    for lvl in isas[:-1]:
+        header += [f"native {lvl} bf16 ms", f"{lvl} / {isa}"]
     if vk is not None:
         header += ["vLLM bf16 ms", "GF/s", "roof", "vs vLLM", "vLLM diff"]
     header += ["torch bf16 ms", "roof", "vs torch", "native fp8 ms", "roof", "fp8 vs bf16"]
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         skipped.append(f"H{H}/B{B}/P{P}/N{N} ({gf:.0f} GFLOP)")
                         continue
                     res = run_shape(
-                        H, B, P, N, args.rounds, args.min_time, vk, args.torch_max_gflop, roof, isa
+                        H, B, P, N, args.rounds, args.min_time, vk, args.torch_max_gflop, roof, isas
                     )
                     peak, bw = res.pop("_roof")
                     diffs = res.pop("_diff")
@@ -221,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                     row = [str(H), str(B), str(P), str(N), f"{gf:.2f}", f"{nb[3]:.0f}"]
                     row += [f"{peak / 1e12:.3f}", f"{bw / 1e9:.2f}"]
                     row += [f"{nb[0] * 1e3:.3f}", f"{nb[2] / 1e9:.0f}", f"{nb[1]:.0%}"]
+                    for lvl in isas[:-1]:
+                        t_lvl = res[f"native {lvl}_bf16"][0]
+                        row += [f"{t_lvl * 1e3:.3f}", f"{t_lvl / nb[0]:.2f}x"]
                     if vk is not None:
                         vb = res["vllm_bf16"]
                         row += [f"{vb[0] * 1e3:.3f}", f"{vb[2] / 1e9:.0f}", f"{vb[1]:.0%}"]
@@ -240,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{min(pk) / 1e12:.3f}..{max(pk) / 1e12:.3f} TFLOP/s, read bandwidth "
         f"{min(bws) / 1e9:.2f}..{max(bws) / 1e9:.2f} GB/s over the run; roof = fraction of "
         "min(peak, intensity x bw) (fp8 rows count 1 byte per cached element)",
-        f"native = our kernels at ISA level {isa}; kernels timed interleaved, best of "
+        f"native = our kernels at ISA level {isa} (native <level> bf16: at that level, "
+        "<level> / best > 1: the best level faster); kernels timed interleaved, best of "
         f"{args.rounds} rounds of >= {args.min_time}s each (a kernel whose warm-up call takes "
         "over 1 s: first round only)",
         "native / torch = mb.MLABatch.build(phase EXTEND) + mb.plan(Policy('absorb'), "
