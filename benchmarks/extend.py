@@ -1,9 +1,9 @@
-"""``python -m benchmarks extend``: absorbed MLA extend, our native kernels at one ISA level
-(the best of ``--isas``, default every level this CPU runs; the others side by side on bf16):
-several new tokens per request, causal
-among them, onto a cached prefix (chunked prefill continuation, prefix-cache hits, speculative
-verify). Compared with the core's torch path and, when vLLM is importable, AMX_MLA's CPU extend
-kernel (``torch.ops._C.extend_attention_cpu``, sgl-kernel's; only where it runs) on the same data.
+"""``python -m benchmarks extend``: absorbed MLA extend, our native kernels at every ISA level
+this CPU runs (or ``--isas``; the best with every cache and peer, the others on bf16): several
+new tokens per request, causal among them, onto a cached prefix (chunked prefill continuation,
+prefix-cache hits, speculative verify). Compared with the core's torch path and, when vLLM is
+importable, AMX_MLA's CPU extend kernel (``torch.ops._C.extend_attention_cpu``, sgl-kernel's;
+only where it runs) on the same data.
 
 Ours is called the way an engine calls it: ``mb.MLABatch.build`` (phase EXTEND) + ``mb.plan``
 (policy ``absorb``, ``impl='native'`` or ``'torch'``) + ``mb.absorbed_attention`` over a paged
