@@ -1,4 +1,5 @@
-"""Where the fp8 latent caches lose accuracy, below the engine (no vLLM; seconds).
+"""``python -m benchmarks fp8-accuracy``: where the fp8 latent caches lose accuracy, below the
+engine (no vLLM; seconds).
 
 For each tiny DeepSeek-V2 checkpoint of integrations/vllm/tests/test_fp8_accuracy.py, the
 cached latents of transformers' fp32 ``DeepseekV2ForCausalLM`` on the test's prompts (``c_kv``
@@ -18,7 +19,7 @@ cached latents of transformers' fp32 ``DeepseekV2ForCausalLM`` on the test's pro
    teacher-forced log-prob error of the cache format alone (no bf16 compute, no engine):
    ``max``/``mean`` |log p_fp8 - log p_fp32| over every prompt position.
 
-    python benchmarks/fp8_accuracy.py [--out benchmarks/results] [--reseed K ...]
+    python -m benchmarks fp8-accuracy [--reseed K ...]
 
 ``--reseed K [K ...]``: one table per K, with K added to every checkpoint's seed (other
 random weights, same construction).
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -39,20 +39,32 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "integrations" / "vllm" / "tests"))
+from mla_backend.fp8 import FP8_MAX
+from mla_backend.testing.tiny_model import make_tiny_deepseek_v2
 
-from test_fp8_accuracy import (  # noqa: E402  (the test's checkpoints and quantizers)
-    CHECKPOINTS,
-    LATENT_ONLY,
-    SEEDS,
-    _prompts,
-    fp8_ds_mla_ckv,
-    fp8_per_tensor,
-)
+from . import harness
 
-from mla_backend.fp8 import FP8_MAX  # noqa: E402
-from mla_backend.testing.tiny_model import make_tiny_deepseek_v2  # noqa: E402
+
+def _test_module() -> Any:
+    """The vLLM fp8 accuracy test module, whose checkpoints, prompts and quantizers this
+    analysis measures (loaded by path: the test directory is not a package)."""
+    import importlib.util
+
+    path = harness.ROOT / "integrations" / "vllm" / "tests" / "test_fp8_accuracy.py"
+    spec = importlib.util.spec_from_file_location("_fp8_accuracy_test", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # its own sibling imports
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
+    return mod
+
+
+_T = _test_module()
+CHECKPOINTS, LATENT_ONLY, SEEDS = _T.CHECKPOINTS, _T.LATENT_ONLY, _T.SEEDS
+fp8_ds_mla_ckv, fp8_per_tensor = _T.fp8_ds_mla_ckv, _T.fp8_per_tensor
 
 FORMATS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable | None]] = {
     # name: (c_kv quantizer, k_pe quantizer or None = exact)
@@ -123,7 +135,7 @@ def analyse(name: str, kw: dict[str, Any], seed: int, root: Path) -> dict[str, A
 
     path = make_tiny_deepseek_v2(root / name, dtype="float32", seed=seed, **kw)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    prompts = _prompts()
+    prompts = _T._prompts()
     cap: dict = {}
     ref = _logprobs(model, prompts, None, cap)
     ckv = torch.cat([torch.cat(v) for k, v in sorted(cap.items()) if k[0] == "c_kv"])
@@ -179,18 +191,19 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=None, help="write fp8_accuracy-<time>.md here")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks fp8-accuracy",
+                                 description=__doc__.split("\n")[0])  # fmt: skip
     ap.add_argument(
         "--reseed", type=int, nargs="+", default=[0], help="add each of these to every seed"
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    text = (
+    note = (
         "fp8 latent caches below the engine: transformers fp32 with its cached latents "
         "quantized (per-tensor fp8 scale 1.0: c_kv and k_pe; fp8_ds_mla: c_kv tiles, exact "
-        "k_pe); log-prob error vs the exact model over every prompt position.\n"
+        "k_pe); log-prob error vs the exact model over every prompt position"
     )
+    text = ""
     for k in args.reseed:
         with tempfile.TemporaryDirectory() as tmp:
             results = {
@@ -198,13 +211,5 @@ def main(argv: list[str] | None = None) -> int:
                 for name, kw in {**CHECKPOINTS, **LATENT_ONLY}.items()
             }
         text += f"\nSeeds: the test's + {k}.\n\n" + table(results) + "\n"
-    print(text)
-    if args.out:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"fp8_accuracy-{stamp}.md").write_text(text)
+    harness.write_result("fp8_accuracy", "fp8 latent caches below the engine", [note], text)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,7 +5,10 @@ Generates the built-in tiny model (config, WordLevel tokenizer, random safetenso
 DeepSeek-V2-Lite attention dims: 16 heads, latent 512 + rope 64), runs each backend in its own
 fresh vLLM engine, and prints the generations, output tokens/s, KV-cache bytes per token and
 the attention-weight bytes per layer each backend holds beyond the checkpoint's ``kv_b_proj``
-(computed, see ``benchmarks/compare.py``).
+(computed, see ``mla_backend/testing/vllm_runner.py``), the backend vLLM really ran, and the CPU
+and ISA level our native kernels run at. A backend that cannot run on this CPU (AMX_MLA's
+kernels need AVX-512 and AVX512-BF16) or whose engine fails is one row "not available on this
+CPU: <reason>"; the others are still printed. Exit status 0 unless MLA_ABSORB itself failed.
 
     python examples/vllm_demo.py [--model-dir DIR] [--max-tokens 24] [--kv-cache-dtype fp8_ds_mla]
 """
@@ -14,18 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from compare import RunSpec, Workload, run_backend  # noqa: E402
-from vllm_amx import FORCED_NOTE  # noqa: E402
-
-from mla_backend.testing.tiny_model import (  # noqa: E402
-    PRESETS,
-    make_tiny_deepseek_v2,
-    synthetic_words,
-)
+from mla_backend.testing.host import describe
+from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2, synthetic_words
+from mla_backend.testing.vllm_backends import FORCED_NOTE, unavailable_reason
+from mla_backend.testing.vllm_runner import EngineFailed, RunSpec, Workload, run_backend
 
 BACKENDS = ("MLA_ABSORB", "AMX_MLA", "CPU_MLA")
 
@@ -41,7 +38,49 @@ def demo_prompts() -> list[str]:
     ]
 
 
-def main() -> None:
+def run_all(
+    model: str, backends: list[str], wl: Workload, engine: dict[str, Any], kv_dtype: str
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Each backend in its own engine: (results, reasons the others could not run)."""
+    results: dict[str, dict[str, Any]] = {}
+    missing: dict[str, str] = {}
+    for b in backends:
+        why = unavailable_reason(b)
+        if why is not None:
+            print(f"skipping {b}: not available on this CPU: {why}", flush=True)
+            missing[b] = why
+            continue
+        kv = kv_dtype if b == "MLA_ABSORB" else "auto"
+        print(f"running {b} (kv cache {kv}) ...", flush=True)
+        try:
+            results[b] = run_backend(RunSpec(model, b, [wl], dict(engine, kv_cache_dtype=kv)))
+        except EngineFailed as e:
+            print(f"{b} failed: {e.reason}", flush=True)
+            missing[b] = f"engine failed: {e.reason}"
+    return results, missing
+
+
+def print_table(results: dict[str, dict[str, Any]], missing: dict[str, str]) -> None:
+    print(
+        f"{'backend':>10} | {'selected':>10} | {'native ISA':>11} | {'out tok/s':>9} | "
+        f"{'latency s':>9} | {'KV dtype':>10} | {'KV B/token':>10} | {'+attn W B/layer':>15} | "
+        "block | chunked prefill | prefix caching"
+    )
+    for b, r in results.items():
+        w = r["workloads"][0]
+        isa = r["native_isa"] if r["selected"] == "MLA_ABSORB" else "-"
+        print(
+            f"{b:>10} | {r['selected']:>10} | {isa:>11} | {w['output_tok_s']:9.1f} | "
+            f"{w['latency_s']:9.2f} | {r.get('kv_cache_dtype', 'auto'):>10} | "
+            f"{r['kv_bytes_per_token']:10d} | "
+            f"{r['attn_weight_extra_bytes_per_layer']:15d} | {r['block_size']:5d} | "
+            f"{r['chunked_prefill']!s:>15} | {r['prefix_caching']}"
+        )
+    for b, why in missing.items():
+        print(f"{b:>10} | not available on this CPU: {why}")
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default="/tmp/mla_demo_model")
     ap.add_argument("--max-tokens", type=int, default=24)
@@ -54,16 +93,15 @@ def main() -> None:
     )
     args = ap.parse_args()
 
+    print(describe())
     model = make_tiny_deepseek_v2(args.model_dir, **PRESETS["default"], dtype="bfloat16")
     print(f"model: {model} (tiny DeepSeek-V2, 16 heads, kv_lora_rank 512 + rope 64, bf16)")
     prompts = demo_prompts()
     wl = Workload("demo", len(prompts), 0, args.max_tokens, iters=1, texts=prompts)
     engine = dict(dtype="bfloat16", max_model_len=2048)
-    results = {}
-    for b in args.backends.split(","):
-        kv = args.kv_cache_dtype if b == "MLA_ABSORB" else "auto"
-        print(f"running {b} (kv cache {kv}) ...", flush=True)
-        results[b] = run_backend(RunSpec(str(model), b, [wl], dict(engine, kv_cache_dtype=kv)))
+    results, missing = run_all(
+        str(model), args.backends.split(","), wl, engine, args.kv_cache_dtype
+    )
 
     print()
     for i, p in enumerate(prompts):
@@ -71,27 +109,17 @@ def main() -> None:
         for b, r in results.items():
             print(f"  {b:>10}: {r['workloads'][0]['texts'][i][:100]}")
     print()
-    print(
-        f"{'backend':>10} | {'selected':>10} | {'out tok/s':>9} | {'latency s':>9} | "
-        f"{'KV dtype':>10} | {'KV B/token':>10} | {'+attn W B/layer':>15} | block | "
-        "chunked prefill | prefix caching"
-    )
-    for b, r in results.items():
-        w = r["workloads"][0]
-        print(
-            f"{b:>10} | {r['selected']:>10} | {w['output_tok_s']:9.1f} | "
-            f"{w['latency_s']:9.2f} | {r.get('kv_cache_dtype', 'auto'):>10} | "
-            f"{r['kv_bytes_per_token']:10d} | "
-            f"{r['attn_weight_extra_bytes_per_layer']:15d} | {r['block_size']:5d} | "
-            f"{r['chunked_prefill']!s:>15} | {r['prefix_caching']}"
-        )
+    print(describe())
+    print_table(results, missing)
     print(
         "KV B/token: all layers, what the engine allocated (VLLM_CPU_KVCACHE_SPACE / blocks); "
-        "per layer: bf16 1152, fp8 576, fp8_ds_mla 656 at r 512 + rope 64"
+        "per layer: bf16 1152, fp8 576, fp8_ds_mla 656 at r 512 + rope 64. native ISA: the "
+        "level our kernels ran at in MLA_ABSORB's engine."
     )
     if any(r.get("amx_forced") for r in results.values()):
         print(FORCED_NOTE)
+    return 1 if "MLA_ABSORB" in missing else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,6 +6,11 @@
 - :mod:`.tiny_model`: generator of tiny DeepSeek-V2 checkpoints (config, safetensors, tokenizer).
 - :mod:`.layer`, :mod:`.rope`, :mod:`.decompressed`: a full MLA layer (q_lora, RMSNorm, RoPE +
   yarn) with the paper's absorbed and decompressed-cache (CD) variants.
+- :mod:`.host`: the CPU model, torch's capability and our native ISA levels (every demo and
+  benchmark result names them).
+- :mod:`.vllm_backends`, :mod:`.vllm_runner` (+ ``amx_shim/``): which vLLM CPU MLA backends run
+  on this CPU, and one backend's engine run in a fresh process (the demo and ``benchmarks``).
+- :mod:`.engine_server`: an engine's server process, started and always stopped.
 """
 
 from . import cases, reference

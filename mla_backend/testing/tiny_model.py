@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "make_tiny_deepseek_v2", "synthetic_words", "main"]
+__all__ = ["PRESETS", "YARN_ROPE_SCALING", "make_tiny_deepseek_v2", "synthetic_words", "main"]
 
 #: Named argument sets for :func:`make_tiny_deepseek_v2`.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -66,6 +66,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         q_lora_rank=96,
         moe=True,
     ),
+}
+
+#: DeepSeek's yarn ``rope_scaling`` for the tiny model (SGLang's CPU rope path asserts one).
+YARN_ROPE_SCALING: dict[str, Any] = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
 }
 
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")

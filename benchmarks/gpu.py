@@ -1,0 +1,294 @@
+"""``python -m benchmarks gpu``: the Triton absorbed-MLA kernels on FlashMLA's published shapes.
+
+Needs a CUDA or ROCm device (on CPU it says so and exits 0: the Triton interpreter is a
+correctness tool, its timings mean nothing). Shapes follow FlashMLA's decode benchmark:
+batch 128, mean kv length 4096 / 8192 (fixed, or ragged ~ N(mean, mean/2) clipped at q_len),
+query heads 16 / 32 / 64 / 128 (TP 8 / 4 / 2 / 1 of DeepSeek-V3), q_len 1 (decode) and 2
+(MTP / speculative verify: an extend of 2 causal tokens onto the prefix), latent 576 = r 512 +
+rope 64, value 512, page size 64. Throughput uses FlashMLA's formulas, so numbers are
+comparable with its README (H800: ~3000 GB/s memory-bound, 580-660 TFLOP/s compute-bound):
+
+    FLOPs = 2 * q_len * total_kv * heads * (576 + 512)
+    bytes = (total_kv * 576 + batch * q_len * heads * (576 + 512)) * 2   (bf16; an fp8 cache
+            counts its 576 kv elements at 1 byte, q and o stay bf16)
+    TFLOP/s = FLOPs / 1e9 / ms;  GB/s = bytes / 1e6 / ms
+
+Each shape is planned once (``mb.plan`` with ``mla_backend.ops.triton.Kernels()``) and timed
+through the per-layer call ``mb.absorbed_attention``; ``graph_ms`` times the same call
+replayed from a CUDA graph (after checking a replay reproduces the eager output bit for bit).
+
+Usage: python -m benchmarks gpu [--cache fp8|fp8_ds_mla] [--quick] [--no-check]
+           [--no-graph] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
+       TRITON_INTERPRET=1 python -m benchmarks gpu --smoke   (CPU: plumbing only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+
+import torch
+
+R, ROPE, DV = 512, 64, 512
+D = R + ROPE
+PAGE = 64
+
+
+def _flashmla_throughput(
+    ms: float, batch: int, q_len: int, heads: int, total_kv: int, kv_bytes: int, q_bytes: int = 2
+) -> tuple[float, float]:
+    """(TFLOP/s, GB/s) with FlashMLA's accounting (one kv head of width 576, value 512).
+
+    ``kv_bytes``: cache element size (2 bf16, 1 fp8); ``q_bytes``: query / output element
+    size (bf16). With both 2 this is exactly FlashMLA's formula.
+    """
+    flops = 2 * q_len * total_kv * heads * (D + DV)
+    nbytes = total_kv * D * kv_bytes + batch * q_len * heads * (D + DV) * q_bytes
+    return flops / 1e9 / ms, nbytes / 1e6 / ms
+
+
+def _case(
+    dev: torch.device,
+    batch: int,
+    mean_kv: int,
+    heads: int,
+    q_len: int,
+    varlen: bool,
+    cache_dtype: torch.dtype,
+):
+    """Build (q_lat, q_pe, kv_cache, MLABatch, kv_scale, kv_lens) on ``dev``."""
+    import mla_backend as mb
+
+    kv_lens = [mean_kv] * batch
+    if varlen:
+        kv_lens = [max(int(random.normalvariate(mean_kv, mean_kv / 2)), q_len) for _ in kv_lens]
+    pages = [-(-L // PAGE) for L in kv_lens]
+    max_pages = max(pages)
+    perm = torch.randperm(sum(pages)).to(torch.int32)
+    table = torch.zeros(batch, max_pages, dtype=torch.int32)  # host copy, as engines have
+    k = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[k : k + n]
+        k += n
+    cache = torch.randn(sum(pages), PAGE, D, device=dev, dtype=torch.bfloat16)
+    kv_scale = None
+    if cache_dtype == torch.uint8:  # fp8_ds_mla rows (656 B/token), per-token tile scales
+        from mla_backend.cache_layout import CacheLayout
+
+        layout = CacheLayout.ds_mla(R, ROPE, torch.bfloat16)
+        flat = cache.view(-1, D)
+        cache = layout.pack(flat[:, :R], flat[:, R:]).view(sum(pages), PAGE, layout.width)
+    elif cache_dtype != torch.bfloat16:
+        kv_scale = torch.tensor(0.05, device=dev)
+        cache = (cache.float() / kv_scale).clamp(-448, 448).to(cache_dtype)
+    batch_desc = mb.MLABatch.build(
+        [L - q_len for L in kv_lens],
+        [q_len] * batch,
+        table.to(dev),
+        PAGE,
+        mb.Phase.DECODE if q_len == 1 else mb.Phase.TARGET_VERIFY,
+        block_table_host=table,
+    )
+    T = batch * q_len
+    q_lat = torch.randn(T, heads, R, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(T, heads, ROPE, device=dev, dtype=torch.bfloat16)
+    return q_lat, q_pe, cache, batch_desc, kv_scale, kv_lens
+
+
+def sweep(
+    dev: torch.device,
+    batch: int,
+    means: list[int],
+    head_list: list[int],
+    q_lens: list[int],
+    cache_dtype: torch.dtype,
+    timer: Callable[[Callable[[], object]], float],
+    check: bool = True,
+    peaks: tuple[float, float] | None = None,
+    graph_timer: Callable[[Callable[[], object]], float] | None = None,
+) -> float:
+    """Time every shape and print one row each; returns the worst max|o_triton - o_torch|.
+
+    ``timer(fn)`` returns milliseconds per call; ``peaks`` = (TFLOP/s, GB/s) of the device to
+    print the fraction of the roofline bound max(bytes / bandwidth, FLOPs / peak);
+    ``graph_timer(fn)`` (optional) times the same call captured in a CUDA graph (the plan's
+    tensors stay at fixed addresses; the per-layer call reads nothing back on the host).
+    """
+    import mla_backend as mb
+    from mla_backend.ops.triton import Kernels as TritonKernels
+
+    # bytes per cache element: fp8_ds_mla counts its whole 656-byte row over the 576 values
+    kv_bytes = {torch.float8_e4m3fn: 1, torch.uint8: 656 / 576}.get(cache_dtype, 2)
+    scale = 1.0 / (192**0.5)
+    worst = 0.0
+    print(
+        "batch mean_kv heads q_len varlen splits      ms  TFLOP/s    GB/s  max|o-torch|"
+        + ("  %roofline" if peaks else "")
+        + ("  graph_ms" if graph_timer else "")
+    )
+    absorb = mb.Policy("absorb")
+    for mean_kv in means:
+        for heads in head_list:
+            dims = mb.MLADims(heads, R, 128, ROPE, DV)
+            for q_len in q_lens:
+                for varlen in (False, True):
+                    q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
+                        dev, batch, mean_kv, heads, q_len, varlen, cache_dtype
+                    )
+                    plan = mb.plan(b, dims, absorb, device=dev, impl=TritonKernels())
+                    splits = plan.step.work.num_kv_splits
+
+                    def run(q_lat=q_lat, q_pe=q_pe, cache=cache, plan=plan, kv_scale=kv_scale):
+                        return mb.absorbed_attention(q_lat, q_pe, cache, plan, scale, kv_scale)
+
+                    err = float("nan")
+                    if check:
+                        o, _ = run()
+                        torch_plan = mb.plan(b, dims, absorb, device=dev, impl="torch")
+                        o_ref, _ = mb.absorbed_attention(
+                            q_lat, q_pe, cache, torch_plan, scale, kv_scale
+                        )
+                        err = float((o.float() - o_ref.float()).abs().max())
+                        worst = max(worst, err)
+                        del o, o_ref
+                    ms = timer(run)
+                    tflops, gbs = _flashmla_throughput(
+                        ms, batch, q_len, heads, sum(kv_lens), kv_bytes
+                    )
+                    extra = ""
+                    if peaks:
+                        bound_ms = max(gbs * ms / peaks[1], tflops * ms / peaks[0])
+                        extra = f"  {100 * bound_ms / ms:9.1f}"
+                    if graph_timer:
+                        extra += f"  {graph_timer(run):8.3f}"
+                    print(
+                        f"{batch:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
+                        f"{splits:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
+                    )
+                    del q_lat, q_pe, cache
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
+    p.add_argument(
+        "--cache", choices=["bf16", "fp8", "fp8_ds_mla"], default="bf16", help="latent cache"
+    )
+    p.add_argument("--quick", action="store_true", help="only mean kv 4096, heads 16 and 128")
+    p.add_argument("--no-check", action="store_true", help="skip the torch-path comparison")
+    p.add_argument("--q-lens", default="1,2", help="new tokens per request (e.g. 1,2,16,64)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="device bf16 dense peak (e.g. 989 for H100/H800 SXM) to print %% of roofline",
+    )
+    p.add_argument(
+        "--peak-gbs", type=float, default=None, help="device memory bandwidth in GB/s (3350)"
+    )
+    p.add_argument(
+        "--no-graph", action="store_true", help="skip the CUDA-graph replay timing (graph_ms)"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on CPU under TRITON_INTERPRET=1, no timing (tests the script itself)",
+    )
+    args = p.parse_args(argv)
+    cache_dtype = {"fp8": torch.float8_e4m3fn, "fp8_ds_mla": torch.uint8}.get(
+        args.cache, torch.bfloat16
+    )
+    q_lens = [int(x) for x in args.q_lens.split(",") if x.strip()]
+    peaks = None
+    if args.peak_tflops is not None and args.peak_gbs is not None:
+        peaks = (args.peak_tflops, args.peak_gbs)
+
+    if args.smoke:
+        return _smoke(cache_dtype, peaks)
+    if not torch.cuda.is_available():
+        print(
+            "triton_gpu_bench: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False); "
+            "nothing to measure on this machine. The kernels' correctness is tested on CPU "
+            "under TRITON_INTERPRET=1 (tests/triton_path)."
+        )
+        return 0
+    try:
+        import triton
+    except ImportError:
+        print("benchmarks gpu: triton is not installed (pip install 'mla-backend[triton]')")
+        return 0
+    from mla_backend.ops.triton.jit import heuristics as hx
+
+    torch.manual_seed(0)
+    random.seed(0)
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    print(
+        f"device: {name}, SMs/CUs: {hx.sm_count(dev)}, cache {args.cache}, page {PAGE}; "
+        f"torch {torch.__version__}, triton {triton.__version__}"
+    )
+    means = [4096] if args.quick else [4096, 8192]
+    head_list = [16, 128] if args.quick else [16, 32, 64, 128]
+    sweep(
+        dev,
+        128,
+        means,
+        head_list,
+        q_lens,
+        cache_dtype,
+        timer=triton.testing.do_bench,
+        check=not args.no_check,
+        peaks=peaks,
+        graph_timer=None if args.no_graph else _graph_timer,
+    )
+    return 0
+
+
+def _graph_timer(fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Capture one call in a CUDA graph, check a replay reproduces the eager output bit for
+    bit, then time replays (``triton.testing.do_bench_cudagraph``); NaN if capture fails."""
+    import triton
+
+    try:
+        eager = fn()[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()[0]
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(out, eager):
+            print("  (graph replay output differs from the eager call)")
+            return float("nan")
+        del graph, out
+        return triton.testing.do_bench_cudagraph(fn)
+    except Exception as exc:  # report, keep sweeping
+        print(f"  (CUDA-graph capture failed: {type(exc).__name__}: {exc})")
+        return float("nan")
+
+
+def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:
+    """The whole sweep on tiny CPU shapes under the interpreter, with a fake 1 ms timer."""
+    from mla_backend.ops.triton.jit import heuristics as hx
+
+    if not hx.interpreting():
+        print("triton_gpu_bench --smoke: set TRITON_INTERPRET=1 (CPU tensors need the interpreter)")
+        return 2
+    torch.manual_seed(0)
+    random.seed(0)
+    worst = sweep(
+        torch.device("cpu"),
+        2,
+        [80],
+        [16],
+        [1, 2],
+        cache_dtype,
+        timer=lambda fn: 1.0,
+        peaks=peaks,
+    )
+    return 0 if worst < 5e-2 else 1
+

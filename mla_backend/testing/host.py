@@ -1,0 +1,137 @@
+"""The host a demo or benchmark runs on: CPU model, torch's CPU capability, and our native
+kernels' ISA levels (which ones this CPU executes, which one a process uses, the kernels at a
+given level). Shared by ``examples/`` and ``benchmarks/``; every result they print names these.
+
+The per-ISA native API (``mla_backend.ops.native``: ``ISA_LEVELS``, ``host_isas()``,
+``selected_isa()``, ``Kernels(isa)``) is reached through :func:`_native_api` only. Before that
+API exists (one native build per process, ``native.simd_level()``), the functions below fall back
+to that single build as the only level.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..ops import KernelImpl
+
+#: An engine or benchmark process runs our native kernels at this level when set.
+ISA_ENV = "MLA_BACKEND_NATIVE_ISA"
+#: Our native kernels' levels, lowest first (the per-ISA native API's ``ISA_LEVELS``).
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
+
+
+def _native_api() -> Any:
+    """The module holding the per-ISA native API (the one line to change if it moves)."""
+    from ..ops import native
+
+    return native
+
+
+def _per_isa() -> bool:
+    return hasattr(_native_api(), "host_isas")
+
+
+def _single_level() -> str:
+    """The level of the single pre-per-ISA native build ('scalar' when it has no bf16 engine)."""
+    native = _native_api()
+    if not native.available():
+        return "unavailable"
+    return "avx512_bf16" if native.simd_level() == "avx512_bf16" else "scalar"
+
+
+def isa_levels() -> tuple[str, ...]:
+    """Every level our native kernels know, lowest first."""
+    return tuple(getattr(_native_api(), "ISA_LEVELS", ISA_LEVELS))
+
+
+def host_isas() -> tuple[str, ...]:
+    """The native levels this CPU can execute, lowest first (empty: no native kernels)."""
+    native = _native_api()
+    if _per_isa():
+        return tuple(native.host_isas())
+    level = _single_level()
+    return () if level == "unavailable" else (level,)
+
+
+def selected_isa() -> str:
+    """The level this process's native kernels run at (``MLA_BACKEND_NATIVE_ISA`` or the best
+    host level); 'unavailable' when the native kernels cannot load here."""
+    if _per_isa():
+        return str(_native_api().selected_isa())
+    return _single_level()
+
+
+def native_kernels(isa: str | None = None) -> KernelImpl:
+    """The native seam implementation (``KernelImpl``) at ``isa`` (None: the selected level)."""
+    native = _native_api()
+    if _per_isa():
+        return native.Kernels(isa)
+    if isa not in (None, selected_isa()):
+        raise ValueError(f"native ISA level {isa!r} is not built here (only {selected_isa()!r})")
+    from ..ops.native_kernels import Kernels
+
+    return Kernels()
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's "Model name", else /proc/cpuinfo, else platform)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.strip().startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def torch_capability() -> str:
+    """torch's CPU kernel level (``torch.backends.cpu.get_cpu_capability()``)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def has_amx() -> bool:
+    """AMX tiles usable here (torch's check, which also asks the OS for permission)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def describe() -> str:
+    """One line naming the CPU and ISA levels, for every table and demo output."""
+    isas = host_isas()
+    env = os.environ.get(ISA_ENV)
+    return (
+        f"CPU: {cpu_model()} ({os.cpu_count()} cores, {platform.machine()}); torch CPU "
+        f"capability {torch_capability()}, AMX tiles {'yes' if has_amx() else 'no'}; "
+        f"our native kernels: {selected_isa()}"
+        + (f" (forced by {ISA_ENV}={env})" if env else "")
+        + f", levels this CPU runs: {', '.join(isas) if isas else 'none'}"
+    )

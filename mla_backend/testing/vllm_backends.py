@@ -1,0 +1,108 @@
+"""Which vLLM CPU MLA backends can run on this CPU, the environment an engine process gets for
+one, which backend the engine really ran (from its log) and why an engine failed.
+
+vLLM 0.32's CPU platform serves a request for ``AMX_MLA`` with CPU_MLA when the CPU has no AMX
+tiles (it logs "Using CPU_MLA backend." and nothing else says so). The demo and the benchmarks
+compare against AMX_MLA's own code where its kernels can run: on a CPU with AVX-512 and
+AVX512-BF16 but no AMX they start its engine with :data:`SHIM_DIR` on ``PYTHONPATH``
+(``amx_shim/sitecustomize.py``), which answers "AMX present" to vLLM's CPU platform only, so vLLM
+selects and configures AMX_MLA as on an AMX CPU and its kernels take their AVX-512 paths. Where
+those kernels cannot run (vLLM loads them from ``_C``, its AVX512-BF16 library, only on such a
+CPU: ``vllm/platforms/cpu.py``, ``import_kernels``), AMX_MLA is "not available on this CPU".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+from .host import ISA_ENV, has_amx
+
+SHIM_DIR = Path(__file__).resolve().parent / "amx_shim"
+FORCE_ENV = "MLA_BENCH_FORCE_AMX_MLA"
+FORCED_NOTE = (
+    "AMX_MLA forced: this CPU has no AMX tiles, where vLLM would run CPU_MLA instead; vLLM's "
+    "CPU platform was made to select and configure AMX_MLA as on an AMX CPU "
+    "(mla_backend/testing/vllm_backends.py); its kernels then run their AVX-512 code (no AMX "
+    "tiles), the rest of the model as for every backend."
+)
+_USING = re.compile(r"Using (\w+) backend\.")
+_ERROR = re.compile(r"(Error|Exception|error:|Illegal instruction|Killed|Traceback)")
+
+
+def amx_mla_unavailable() -> str | None:
+    """Why AMX_MLA's kernels cannot run on this CPU, or None where they can: vLLM loads them
+    (its ``_C`` library) only where torch reports AVX-512 and AVX512-BF16
+    (``CpuPlatform.import_kernels``); elsewhere it loads ``_C_AVX512`` / ``_C_AVX2``, which lack
+    them, and an AMX_MLA engine dies at start-up."""
+    import torch
+
+    missing = [
+        name
+        for name, ok in (
+            ("AVX-512", torch.cpu._is_avx512_supported()),
+            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+        )
+        if not ok
+    ]
+    if missing:
+        return (
+            "its kernels are in vLLM's AVX512-BF16 library (_C); this CPU lacks "
+            + " and ".join(missing)
+        )
+    return None
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why ``backend`` cannot run on this CPU (None: it can, or it is not ours to judge)."""
+    return amx_mla_unavailable() if backend == "AMX_MLA" else None
+
+
+def engine_env(
+    backend: str, env: dict[str, str] | None = None, isa: str | None = None
+) -> tuple[dict[str, str], bool]:
+    """The environment for an engine process running ``backend`` (our kernels at ``isa`` when
+    given); second item: True when AMX_MLA is forced on a CPU without AMX."""
+    env = dict(os.environ if env is None else env)
+    if isa is not None:
+        env[ISA_ENV] = isa
+    if backend != "AMX_MLA" or has_amx():
+        env.pop(FORCE_ENV, None)
+        return env, False
+    reason = amx_mla_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"AMX_MLA is not available on this CPU: {reason}")
+    env[FORCE_ENV] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SHIM_DIR), env.get("PYTHONPATH", "")) if p
+    )
+    return env, True
+
+
+def selected_from_log(text: str) -> str | None:
+    """The backend vLLM says it selected (its last "Using X backend." line), if any."""
+    found = _USING.findall(text)
+    return found[-1] if found else None
+
+
+def failure_reason(log: str, returncode: int | None = None) -> str:
+    """A one-line reason an engine process failed: its last error line (else its last line),
+    and the signal that killed it."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    hits = [i for i, ln in enumerate(lines) if _ERROR.search(ln) and not ln.startswith("Traceback")]
+    if hits:  # the last error line, and the detail line after it (pydantic, torch checks)
+        i = hits[-1]
+        why = " ".join(lines[i : i + 2] if i + 1 < len(lines) and i + 1 not in hits else [lines[i]])
+    else:
+        why = lines[-1] if lines else "no output"
+    why = why[-300:]
+    if returncode is not None and returncode < 0:
+        try:
+            why += f" (killed by {signal.Signals(-returncode).name})"
+        except ValueError:
+            why += f" (signal {-returncode})"
+    elif returncode:
+        why += f" (exit {returncode})"
+    return why
