@@ -43,6 +43,18 @@ def load_triton_ops():
     return triton_ops
 
 
+def load_benchmark():
+    """``benchmarks/triton_gpu_bench.py`` as a module (it is a script, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("triton_gpu_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 tops = load_triton_ops()
 from mla_backend.ops.triton import Kernels as TritonKernels  # noqa: E402
 
