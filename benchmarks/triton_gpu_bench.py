@@ -253,7 +253,7 @@ def sweep(
     scale = 1.0 / (192**0.5)
     worst = 0.0
     print(
-        "batch mean_kv heads q_len varlen splits      ms  TFLOP/s    GB/s  max|o-torch|"
+        "batch mean_kv heads q_len varlen  parts      ms  TFLOP/s    GB/s  max|o-torch|"
         + ("  %roofline" if peaks else "")
         + ("  %gemm  %copy" if measured else "")
         + ("  graph_ms" if graph_timer else "")
@@ -270,7 +270,7 @@ def sweep(
                         dev, batch, mean_kv, heads, q_len, varlen, cache_dtype
                     )
                     plan = mb.plan(b, dims, absorb, device=dev, impl=TritonKernels())
-                    splits = plan.step.work.num_kv_splits
+                    parts = plan.step.work.num_kv_splits  # schedule pieces per head block
 
                     def run(q_lat=q_lat, q_pe=q_pe, cache=cache, plan=plan, kv_scale=kv_scale):
                         return mb.absorbed_attention(q_lat, q_pe, cache, plan, scale, kv_scale)
@@ -303,7 +303,7 @@ def sweep(
                         extra += _other_columns(run, timer, skipped, data)
                     print(
                         f"{batch:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
-                        f"{splits:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
+                        f"{parts:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
                     )
                     del q_lat, q_pe, cache
                     if dev.type == "cuda":

@@ -51,6 +51,7 @@ from ...cache_layout import FP8_TILE, CacheLayout
 from .jit import heuristics as hx
 from .jit.attention import absorbed_attn_kernel, merge_splits_kernel
 from .jit.cache_write import write_latent_ds_kernel, write_latent_kernel
+from .schedule import max_partial_slots
 
 if TYPE_CHECKING:
     from ...plan import PlanPart
@@ -291,8 +292,7 @@ def _absorbed_attention_op(
     num_q_blocks = q_block_req.shape[0]
     num_pieces = part_meta.shape[0]
     num_h_blocks = triton.cdiv(H, block_h)
-    # at most W + num_parts - 1 pieces exist (one more per piece boundary); one piece: none split
-    max_splits = num_q_blocks + num_pieces - 1 if num_pieces > 1 else 0
+    max_splits = max_partial_slots(num_pieces)  # bounded by the pieces, not by the batch
     part_o = torch.empty(max_splits, block_q, H, r, dtype=torch.float32, device=device)
     part_lse = torch.empty(max_splits, block_q, H, dtype=torch.float32, device=device)
     if _skip_launch(q_lat):

@@ -19,10 +19,13 @@ Sizes are fixed by (number of query blocks ``W``, ``num_parts``), not by the kv 
   query block, the end kv row (exclusive) in that last block, global split id of its first
   piece). Rows are tiles times ``block_n`` (any kernel tile can walk them: the kernel clips
   to the block's kv rows). A program with nothing to do has first = W, last = W - 1.
-- ``split_base`` [W + 1] int32: query block ``w``'s pieces have global split ids
-  ``split_base[w] .. split_base[w + 1] - 1``; a block with one piece writes no partial.
+- ``split_base`` [W + 1] int32: a split query block ``w``'s pieces write partial slots
+  ``split_base[w] .. split_base[w + 1] - 1`` (two or more); a block served whole by one piece
+  has none (``split_base[w + 1] == split_base[w]``) and writes its output directly.
 
-At most ``W + num_parts - 1`` pieces exist, which bounds the partial buffers.
+Each of the ``num_parts - 1`` piece boundaries cuts at most one block, so at most
+``num_parts - 1`` blocks are split, into at most ``2 * (num_parts - 1)`` pieces: the partial
+buffers are bounded by :func:`max_partial_slots`, whatever the batch.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ def query_block_tiles(
             need = min(prefix + q0 + block_q, kv)
             tiles.append(-(-need // block_n))
     return tiles
+
+
+def max_partial_slots(num_parts: int) -> int:
+    """Partial-output slots a schedule of ``num_parts`` pieces can use (see the module doc)."""
+    return 2 * (num_parts - 1)
 
 
 def build_schedule(
@@ -87,9 +95,9 @@ def build_schedule(
         first_split.append(counts[segs[0][0]] if segs else 0)
         for w, _, _ in segs:
             counts[w] += 1
-    split_base = [0]
+    split_base = [0]  # partial slots go to split blocks only: a whole block takes none
     for c in counts:
-        split_base.append(split_base[-1] + c)
+        split_base.append(split_base[-1] + (c if c > 1 else 0))
     meta = []
     for segs, fs in zip(segments, first_split, strict=True):
         if not segs:

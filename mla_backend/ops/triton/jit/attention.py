@@ -93,9 +93,9 @@ def absorbed_attn_kernel(
     blk_req_ptr,  # [W] int32: request of each query block
     blk_q0_ptr,  # [W] int32: first new-token index (within the request)
     part_meta_ptr,  # [num_parts, 5] int32: the plan's schedule (see schedule.py)
-    split_base_ptr,  # [W + 1] int32: first global split id of each query block
+    split_base_ptr,  # [W + 1] int32: first partial slot of each split query block
     kv_scale_ptr,  # [] float32 (read only when HAS_SCALE)
-    out_ptr,  # [T, H, r] q dtype: final o_lat of query blocks served by one piece
+    out_ptr,  # [T, H, r] q dtype: final o_lat of query blocks served whole by one piece
     lse_ptr,  # [T, H] float32
     part_o_ptr,  # [S, BLOCK_Q, H, r] float32 partials of split query blocks (contiguous)
     part_lse_ptr,  # [S, BLOCK_Q, H] float32 (contiguous)
@@ -258,8 +258,8 @@ def absorbed_attn_kernel(
         lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         # a block served whole by this piece: its final output; a split one: an fp32 partial
         nsp = tl.zeros([BLOCK_M], dtype=tl.int32) + n_split  # as a row vector: mask dtype
-        whole = row_ok & (nsp == 1)
-        split = row_ok & (nsp > 1)
+        whole = row_ok & (nsp == 0)  # a block served whole has no partial slots
+        split = row_ok & (nsp > 0)
         o_fin = o
         if ROUND_BF16:
             if out_ptr.dtype.element_ty == tl.bfloat16:
@@ -312,7 +312,7 @@ def merge_splits_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     zero = tl.zeros([BLOCK_H], dtype=tl.int32)  # scalars as row vectors: mask dtype
     # a block served whole is already final
-    h_ok = (heads < num_heads) & (zero + qj < n_new) & (zero + n_split > 1)
+    h_ok = (heads < num_heads) & (zero + qj < n_new) & (zero + n_split > 0)
     heads = heads.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask = h_ok[:, None] & (offs_r < r_dim)[None, :]
@@ -320,7 +320,7 @@ def merge_splits_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for s in range(0, tl.where(n_split > 1, n_split, 0)):
+    for s in range(0, n_split):
         prow = ((g_base + s).to(tl.int64) * BLOCK_Q + j) * num_heads + heads
         lse_s = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
         o_s = tl.load(part_o_ptr + prow[:, None] * r_dim + offs_r[None, :], mask=mask, other=0.0)
