@@ -17,8 +17,16 @@ Each shape is planned once (``mb.plan`` with ``mla_backend.ops.triton.Kernels()`
 through the per-layer call ``mb.absorbed_attention``; ``graph_ms`` times the same call
 replayed from a CUDA graph (after checking a replay reproduces the eager output bit for bit).
 
+Columns beside ours, on the same cache and queries in the same run, where importable:
+``flashinfer_ms`` (FlashInfer's ``BatchMLAPagedAttentionWrapper``, planned once per shape, run
+per call; bf16 cache, r 512 / rope 64) and ``flashmla_ms`` (FlashMLA's ``flash_mla_with_kvcache``
+with its ``get_mla_metadata`` schedule; page 64). ``max|o-fi|`` compares FlashInfer's output with
+ours. The header prints the machine's measured device-to-device copy bandwidth (GB/s, read +
+write) and bf16 GEMM throughput (TFLOP/s, 8192^3 ``torch.matmul``): ``%copy`` is our GB/s over
+the copy bandwidth, ``%gemm`` our TFLOP/s over the GEMM throughput.
+
 Usage: python -m benchmarks gpu [--cache fp8|fp8_ds_mla] [--quick] [--no-check]
-           [--no-graph] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
+           [--no-graph] [--no-others] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
        TRITON_INTERPRET=1 python -m benchmarks gpu --smoke   (CPU: plumbing only)
 """
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +55,122 @@ def _flashmla_throughput(
     flops = 2 * q_len * total_kv * heads * (D + DV)
     nbytes = total_kv * D * kv_bytes + batch * q_len * heads * (D + DV) * q_bytes
     return flops / 1e9 / ms, nbytes / 1e6 / ms
+
+
+def measured_copy_gbs(dev: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written per second)."""
+    import triton
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src))
+    return 2 * nbytes / 1e6 / ms
+
+
+def measured_gemm_tflops(dev: torch.device, n: int = 8192) -> float:
+    """bf16 dense GEMM throughput (``torch.matmul`` of two n x n matrices) in TFLOP/s."""
+    import triton
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    ms = triton.testing.do_bench(lambda: a @ b)
+    return 2 * n**3 / 1e9 / ms
+
+
+class SameData(NamedTuple):
+    """One shape's data, shared by every kernel timed on it.
+
+    q_lat [T, H, r], q_pe [T, H, rope] (bf16); cache [pages, page_size, r + rope]; table: the
+    host block table [B, max_pages] int32; kv_lens: per request (host ints); q_len: new
+    tokens per request; scale: the softmax scale.
+    """
+
+    q_lat: torch.Tensor
+    q_pe: torch.Tensor
+    cache: torch.Tensor
+    table: torch.Tensor
+    kv_lens: list[int]
+    q_len: int
+    scale: float
+
+    def pages(self) -> list[list[int]]:
+        """Each request's used physical pages (host ints) from the host block table."""
+        rows, page = self.table.tolist(), self.cache.shape[1]
+        return [rows[i][: -(-L // page)] for i, L in enumerate(self.kv_lens)]
+
+
+def flashinfer_runner(data: SameData) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | str:
+    """FlashInfer's MLA paged wrapper on our cache (views of its r and rope columns), planned
+    here once; returns a call giving (o [T, H, r], natural-log lse [T, H]), or why not."""
+    try:
+        import flashinfer
+    except Exception as exc:  # not installed, or its import fails on this machine
+        return f"flashinfer not importable ({type(exc).__name__})"
+    q_lat, q_pe, cache, _, kv_lens, q_len, scale = data
+    if cache.dtype not in (torch.bfloat16, torch.float16):
+        return f"flashinfer MLA wrapper: {cache.dtype} cache not served"
+    dev = cache.device
+    batch = len(kv_lens)
+    pages = data.pages()
+    kv_indptr = [0]
+    for p in pages:
+        kv_indptr.append(kv_indptr[-1] + len(p))
+    i32 = torch.int32
+    qo_indptr = torch.arange(0, batch + 1, dtype=i32) * q_len
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
+    wrapper.plan(
+        qo_indptr,
+        torch.tensor(kv_indptr, dtype=i32),
+        torch.tensor([x for p in pages for x in p], dtype=i32, device=dev),
+        torch.tensor(kv_lens, dtype=i32),
+        q_lat.shape[1],
+        R,
+        ROPE,
+        cache.shape[1],
+        q_len > 1,  # causal among the new tokens (bottom-right aligned)
+        scale,
+        q_lat.dtype,
+        cache.dtype,
+    )
+    import inspect
+
+    base_e = "return_lse_base_on_e" in inspect.signature(wrapper.run).parameters
+    ckv, kpe = cache[..., :R], cache[..., R:]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        if base_e:
+            return wrapper.run(q_lat, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+        o, lse2 = wrapper.run(q_lat, q_pe, ckv, kpe, return_lse=True)
+        return o, lse2 * 0.6931471805599453  # its LSE is base 2 in these versions
+
+    return run
+
+
+def flashmla_runner(data: SameData) -> Callable[[], object] | str:
+    """FlashMLA's decode kernel on the same cache (bf16, page 64) with its own scheduler
+    metadata; returns a call, or why not."""
+    try:
+        import flash_mla
+    except Exception as exc:
+        return f"flash_mla not importable ({type(exc).__name__})"
+    q_lat, q_pe, cache, table, kv_lens, q_len, scale = data
+    if cache.dtype != torch.bfloat16 or cache.shape[1] != 64:
+        return f"flash_mla: {cache.dtype} cache, page {cache.shape[1]} not benchmarked"
+    dev = cache.device
+    batch, heads = len(kv_lens), q_lat.shape[1]
+    q = torch.cat([q_lat, q_pe], -1).view(batch, q_len, heads, D)
+    seqlens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+    block_table = table.to(device=dev, dtype=torch.int32)
+    kvcache = cache.view(cache.shape[0], 64, 1, D)
+    meta, splits = flash_mla.get_mla_metadata(seqlens, q_len * heads, 1)
+
+    def run() -> object:
+        return flash_mla.flash_mla_with_kvcache(
+            q, kvcache, block_table, seqlens, R, meta, splits, softmax_scale=scale, causal=True
+        )
+
+    return run
 
 
 def _case(
@@ -93,7 +218,7 @@ def _case(
     T = batch * q_len
     q_lat = torch.randn(T, heads, R, device=dev, dtype=torch.bfloat16)
     q_pe = torch.randn(T, heads, ROPE, device=dev, dtype=torch.bfloat16)
-    return q_lat, q_pe, cache, batch_desc, kv_scale, kv_lens
+    return q_lat, q_pe, cache, batch_desc, kv_scale, kv_lens, table
 
 
 def sweep(
@@ -107,13 +232,17 @@ def sweep(
     check: bool = True,
     peaks: tuple[float, float] | None = None,
     graph_timer: Callable[[Callable[[], object]], float] | None = None,
+    measured: tuple[float, float] | None = None,
+    others: bool = False,
 ) -> float:
     """Time every shape and print one row each; returns the worst max|o_triton - o_torch|.
 
     ``timer(fn)`` returns milliseconds per call; ``peaks`` = (TFLOP/s, GB/s) of the device to
     print the fraction of the roofline bound max(bytes / bandwidth, FLOPs / peak);
     ``graph_timer(fn)`` (optional) times the same call captured in a CUDA graph (the plan's
-    tensors stay at fixed addresses; the per-layer call reads nothing back on the host).
+    tensors stay at fixed addresses; the per-layer call reads nothing back on the host);
+    ``measured`` = (GEMM TFLOP/s, copy GB/s) of this machine adds ``%gemm`` / ``%copy``;
+    ``others`` adds FlashInfer's and FlashMLA's times on the same data where importable.
     """
     import mla_backend as mb
     from mla_backend.ops.triton import Kernels as TritonKernels
@@ -123,21 +252,24 @@ def sweep(
     scale = 1.0 / (192**0.5)
     worst = 0.0
     print(
-        "batch mean_kv heads q_len varlen splits      ms  TFLOP/s    GB/s  max|o-torch|"
+        "batch mean_kv heads q_len varlen  parts      ms  TFLOP/s    GB/s  max|o-torch|"
         + ("  %roofline" if peaks else "")
+        + ("  %gemm  %copy" if measured else "")
         + ("  graph_ms" if graph_timer else "")
+        + ("  flashinfer_ms  max|o-fi|  flashmla_ms" if others else "")
     )
+    skipped: set[str] = set()
     absorb = mb.Policy("absorb")
     for mean_kv in means:
         for heads in head_list:
             dims = mb.MLADims(heads, R, 128, ROPE, DV)
             for q_len in q_lens:
                 for varlen in (False, True):
-                    q_lat, q_pe, cache, b, kv_scale, kv_lens = _case(
+                    q_lat, q_pe, cache, b, kv_scale, kv_lens, table = _case(
                         dev, batch, mean_kv, heads, q_len, varlen, cache_dtype
                     )
                     plan = mb.plan(b, dims, absorb, device=dev, impl=TritonKernels())
-                    splits = plan.step.work.num_kv_splits
+                    parts = plan.step.work.num_kv_splits  # schedule pieces per head block
 
                     def run(q_lat=q_lat, q_pe=q_pe, cache=cache, plan=plan, kv_scale=kv_scale):
                         return mb.absorbed_attention(q_lat, q_pe, cache, plan, scale, kv_scale)
@@ -160,16 +292,55 @@ def sweep(
                     if peaks:
                         bound_ms = max(gbs * ms / peaks[1], tflops * ms / peaks[0])
                         extra = f"  {100 * bound_ms / ms:9.1f}"
+                    if measured:
+                        pct = (100 * tflops / measured[0], 100 * gbs / measured[1])
+                        extra += f"  {pct[0]:5.1f}  {pct[1]:5.1f}"
                     if graph_timer:
                         extra += f"  {graph_timer(run):8.3f}"
+                    if others:
+                        data = SameData(q_lat, q_pe, cache, table, kv_lens, q_len, scale)
+                        extra += _other_columns(run, timer, skipped, data)
                     print(
                         f"{batch:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
-                        f"{splits:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
+                        f"{parts:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
                     )
                     del q_lat, q_pe, cache
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
+    for why in sorted(skipped):
+        print(f"  (column n/a: {why})")
     return worst
+
+
+def _other_columns(
+    ours: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    timer: Callable[[Callable[[], object]], float],
+    skipped: set[str],
+    data: SameData,
+) -> str:
+    """FlashInfer's ms and max|o - ours|, FlashMLA's ms, on one shape (``nan`` where not
+    run; the reason is collected in ``skipped``)."""
+    nan = float("nan")
+    fi_ms = fi_err = fm_ms = nan
+    fi = flashinfer_runner(data)
+    if isinstance(fi, str):
+        skipped.add(fi)
+    else:
+        try:
+            o_fi, _ = fi()
+            fi_err = float((o_fi.float() - ours()[0].float()).abs().max())
+            fi_ms = timer(fi)
+        except Exception as exc:  # report, keep sweeping
+            skipped.add(f"flashinfer failed: {type(exc).__name__}: {exc}")
+    fm = flashmla_runner(data)
+    if isinstance(fm, str):
+        skipped.add(fm)
+    else:
+        try:
+            fm_ms = timer(fm)
+        except Exception as exc:
+            skipped.add(f"flash_mla failed: {type(exc).__name__}: {exc}")
+    return f"  {fi_ms:13.3f}  {fi_err:9.2e}  {fm_ms:11.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-graph", action="store_true", help="skip the CUDA-graph replay timing (graph_ms)"
     )
     p.add_argument(
+        "--no-others",
+        action="store_true",
+        help="skip the FlashInfer / FlashMLA columns and the measured copy / GEMM peaks",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="tiny shapes on CPU under TRITON_INTERPRET=1, no timing (tests the script itself)",
@@ -211,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         return _smoke(cache_dtype, peaks)
     if not torch.cuda.is_available():
         print(
-            "triton_gpu_bench: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False); "
+            "benchmarks gpu: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False); "
             "nothing to measure on this machine. The kernels' correctness is tested on CPU "
             "under TRITON_INTERPRET=1 (tests/triton_path)."
         )
@@ -231,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {name}, SMs/CUs: {hx.sm_count(dev)}, cache {args.cache}, page {PAGE}; "
         f"torch {torch.__version__}, triton {triton.__version__}"
     )
+    measured = None
+    if not args.no_others:
+        measured = (measured_gemm_tflops(dev), measured_copy_gbs(dev))
+        print(f"measured: bf16 GEMM {measured[0]:.0f} TFLOP/s, copy {measured[1]:.0f} GB/s")
     means = [4096] if args.quick else [4096, 8192]
     head_list = [16, 128] if args.quick else [16, 32, 64, 128]
     sweep(
@@ -244,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         check=not args.no_check,
         peaks=peaks,
         graph_timer=None if args.no_graph else _graph_timer,
+        measured=measured,
+        others=not args.no_others,
     )
     return 0
 
@@ -276,7 +458,7 @@ def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:
     from mla_backend.ops.triton.jit import heuristics as hx
 
     if not hx.interpreting():
-        print("triton_gpu_bench --smoke: set TRITON_INTERPRET=1 (CPU tensors need the interpreter)")
+        print("benchmarks gpu --smoke: set TRITON_INTERPRET=1 (CPU tensors need the interpreter)")
         return 2
     torch.manual_seed(0)
     random.seed(0)
@@ -289,6 +471,6 @@ def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:
         cache_dtype,
         timer=lambda fn: 1.0,
         peaks=peaks,
+        others=True,  # the FlashInfer / FlashMLA columns' plumbing (n/a without a GPU)
     )
     return 0 if worst < 5e-2 else 1
-

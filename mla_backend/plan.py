@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,13 +36,21 @@ class WorkPartition:
         block_q: new tokens of one request per query block.
         q_block_req: [W] int32, the request (index within the part) of each query block.
         q_block_start: [W] int32, its first new token (0-based within the request).
-        num_kv_splits: KV splits per query block (their partial results are merged by LSE).
+        num_kv_splits: KV splits per query block (their partial results are merged by LSE);
+            for an implementation with a ``schedule``, its programs along the split axis.
+        schedule: the implementation's own plan-time state, or () when it has none; made by
+            its optional ``work_schedule(dims, new_lens, kv_lens, block_q, num_kv_splits,
+            device, *, block_table, page_size)`` method. Each item has ``copy_(other)``
+            (device tensors whose shapes depend only on the query blocks and
+            ``num_kv_splits``, or an object that re-plans itself), so a refreshed plan
+            rewrites them in place.
     """
 
     block_q: int
     q_block_req: torch.Tensor
     q_block_start: torch.Tensor
     num_kv_splits: int
+    schedule: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,7 +163,8 @@ class MLAPlan:
     def refresh_(self, batch: MLABatch) -> None:
         """Copy a new step's lengths and block table into this plan's tensors in place (the
         addresses a captured CUDA graph reads). The step keeps the policy's decision, the
-        requests' query counts and the work partition; its lengths and pages may change, and
+        requests' query counts and the work partition's shape (its schedule is rewritten in
+        place for the new lengths); its lengths and pages may change, and
         its block table must fit the plan's columns. Anything else needs a new plan."""
         if tuple(batch.new_lens) != self.step.new_lens or batch.page_size != self.page_size:
             raise ValueError(
@@ -178,6 +188,11 @@ class MLAPlan:
             old.block_table[:, :cols].copy_(new.block_table)
             for name in ("kv_lens_t", "prefix_lens_t", "new_lens_t", "cu_new_t"):
                 getattr(old, name).copy_(getattr(new, name))
+            w = old.work  # the new lengths' schedule, cut into the plan's number of splits
+            sched = _schedule(self.impl, self.dims, new.new_lens, new.kv_lens, w.block_q,
+                              w.num_kv_splits, self.device, new.block_table, self.page_size)
+            for dst, src in zip(w.schedule, sched, strict=True):
+                dst.copy_(src)
             object.__setattr__(old, "prefix_lens", new.prefix_lens)
             object.__setattr__(old, "pages", new.pages)
         object.__setattr__(self, "max_page_id", fresh.max_page_id)
@@ -195,6 +210,26 @@ def _host_pages(
     rows = table_host.tolist()  # a host tensor: no device sync
     return tuple(
         tuple(rows[i][: -(-L // page_size)]) for i, L in zip(reqs, kv_lens, strict=True)
+    )
+
+
+def _schedule(
+    impl: KernelImpl,
+    dims: MLADims,
+    new: Sequence[int],
+    kv: Sequence[int],
+    block_q: int,
+    splits: int,
+    device: torch.device,
+    block_table: torch.Tensor,
+    page_size: int,
+) -> tuple[Any, ...]:
+    """The implementation's plan-time split schedule (``work_schedule``, optional), or ()."""
+    make = getattr(impl, "work_schedule", None)
+    if make is None:
+        return ()
+    return tuple(
+        make(dims, new, kv, block_q, splits, device, block_table=block_table, page_size=page_size)
     )
 
 
@@ -226,7 +261,10 @@ def _part(
     block_q, splits = impl.work_shape(dims, new, kv, device)
     q_req = [i for i, n in enumerate(new) for _ in range(0, n, block_q)]
     q_start = [q0 for n in new for q0 in range(0, n, block_q)]
-    work = WorkPartition(block_q, _int32(q_req, device), _int32(q_start, device), splits)
+    work = WorkPartition(
+        block_q, _int32(q_req, device), _int32(q_start, device), splits,
+        _schedule(impl, dims, new, kv, block_q, splits, device, table, ps),
+    )
     return PlanPart(
         dims=dims,
         reqs=tuple(reqs),

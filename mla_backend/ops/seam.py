@@ -6,11 +6,14 @@ Implementations:
 - ``native`` (:mod:`mla_backend.ops.native`): C++ kernels compiled on first use, for
   CPU tensors; if they cannot be built the seam falls back to ``torch`` with one warning.
 - ``triton`` (:mod:`mla_backend.ops.triton`): the GPU path on CUDA/ROCm.
+- ``flashinfer`` (:mod:`mla_backend.ops.flashinfer`, opt-in until measured on a GPU):
+  FlashInfer's MLA wrapper for the absorbed path where it serves, Triton elsewhere.
 - ``torch`` (:mod:`mla_backend.ops.torch`): plain PyTorch, runs everywhere (the fallback).
 
 Each is a sibling package of the same shape exporting one ``Kernels`` class.
 
-``MLA_BACKEND_IMPL`` = ``auto`` (default) | ``torch`` | ``native`` | ``triton`` forces a choice
+``MLA_BACKEND_IMPL`` = ``auto`` (default) | ``torch`` | ``native`` | ``triton`` | ``flashinfer``
+forces a choice
 (tests force ``triton`` on CPU tensors under ``TRITON_INTERPRET=1``). Inputs are validated once,
 at the public entry points (:mod:`mla_backend.attention`); implementations trust them.
 """
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from ..plan import PlanPart
     from ..weights import AbsorbWeights
 
-IMPLS = ("auto", "torch", "native", "triton")
+IMPLS = ("auto", "torch", "native", "triton", "flashinfer")
 ENV_VAR = "MLA_BACKEND_IMPL"
 
 
@@ -118,7 +121,7 @@ class KernelImpl(Protocol):
 
 
 def impl_name(device: torch.device, override: str | None = None) -> str:
-    """Which implementation serves ``device``: 'torch', 'native' or 'triton'."""
+    """Which implementation serves ``device``: 'torch', 'native', 'triton' or 'flashinfer'."""
     choice = (override or os.environ.get(ENV_VAR, "auto")).strip().lower()
     if choice not in IMPLS:
         raise ValueError(f"{ENV_VAR}={choice!r} is not supported; supported: {', '.join(IMPLS)}")
@@ -128,8 +131,13 @@ def impl_name(device: torch.device, override: str | None = None) -> str:
         if device.type == "cpu" and _native_available():
             return "native"
         return "torch"
-    if choice == "triton" and not _triton_available():
-        raise RuntimeError(f"{ENV_VAR}=triton but triton cannot be imported")
+    if choice in ("triton", "flashinfer") and not _triton_available():
+        raise RuntimeError(f"{ENV_VAR}={choice} but triton cannot be imported")
+    if choice == "flashinfer" and not _flashinfer_available():
+        raise RuntimeError(
+            f"{ENV_VAR}=flashinfer but flashinfer's MLA wrapper cannot be imported "
+            "(pip install flashinfer-python), or use MLA_BACKEND_IMPL=triton"
+        )
     if choice == "native" and device.type != "cpu":
         raise ValueError(f"{ENV_VAR}=native serves CPU tensors, not {device.type}")
     if choice == "native" and not _native_available():
@@ -143,6 +151,10 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _flashinfer_available() -> bool:
+    return bool(importlib.import_module("mla_backend.ops.flashinfer.wrapper").available())
 
 
 def _native_available() -> bool:

@@ -20,7 +20,15 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from triton_case import DEVICE, ON_GPU, TCase, TritonKernels, assert_matches, tops  # noqa: E402
+from triton_case import (  # noqa: E402
+    DEVICE,
+    ON_GPU,
+    TCase,
+    TritonKernels,
+    assert_matches,
+    load_benchmark,
+    tops,
+)
 
 import mla_backend as mb  # noqa: E402
 from mla_backend.fp8 import FP8_DTYPE  # noqa: E402
@@ -145,10 +153,10 @@ def test_extend_ragged_causal(page_size: int, splits: int) -> None:
 
 
 def test_extend_many_tokens_few_heads_uses_token_blocks() -> None:
-    # H=2 -> BLOCK_H=2, BLOCK_Q=8: rows of 8 tokens share a program; causal bound per row.
-    assert hx.attention_tiles(2, 13) == (8, 2)
+    # H=2 -> BLOCK_H=2, BLOCK_Q=16: rows of 16 tokens share a program; causal bound per row.
+    assert hx.attention_tiles(2, 13) == (16, 2)
     case = TCase([3, 0], [13, 6], H=2, r=16, rope=16, page_size=16, seed=3)
-    assert case.plan(num_kv_splits=2).step.work.block_q == 8
+    assert case.plan(num_kv_splits=2).step.work.block_q == 16
     assert_matches(case, case.triton(num_kv_splits=2))
 
 
@@ -382,14 +390,57 @@ def test_kernels_are_torch_library_ops() -> None:
     assert written("triton_absorbed_attention") == []
 
 
-def test_split_heuristic() -> None:
+def test_num_parts_heuristic() -> None:
     sms = 132
-    assert hx.choose_num_splits(1, 4096, sms) == 16  # one request: split by length
-    assert hx.choose_num_splits(128 * 8, 4096, sms) == 1  # big batch fills the GPU
-    assert hx.choose_num_splits(1, 100, sms) == 1  # short context: no split
-    assert hx.choose_num_splits(1, 10**6, sms) == hx.MAX_SPLITS
-    assert hx.choose_num_splits(16, 8192, sms) == 17
+    assert hx.num_parts(1, sms) == hx.PROGRAMS_PER_SM * sms  # 16 heads: one head block
+    assert hx.num_parts(2, sms) == hx.PROGRAMS_PER_SM * sms // 2  # 128 heads: two blocks of 64
+    assert hx.num_parts(10**6, sms) == 1
     assert hx.sm_count(torch.device("cpu")) == hx.CPU_FALLBACK_SM_COUNT
+
+
+@pytest.mark.parametrize(
+    "H,new,rows",
+    [(16, [4, 3, 1], 64), (128, [1, 1, 1], 64), (64, [2, 1], 64), (5, [7, 1], 64)],
+)
+def test_full_64_row_query_blocks(H: int, new: list[int], rows: int) -> None:
+    """FlashMLA's M = 64 rows per program (heads x tokens), several head blocks, tokens of one
+    request sharing a program, with the schedule splitting the long request."""
+    case = TCase([40, 90, 3][: len(new)], new, H=H, r=32, rope=16, page_size=16, seed=H)
+    plan = case.plan(num_kv_splits=5, block_n=16)
+    bq = plan.step.work.block_q
+    assert bq * hx.attention_tiles(H, bq)[1] == rows
+    assert_matches(case, case.triton(num_kv_splits=5, block_n=16))
+
+
+@pytest.mark.parametrize("rows", [16, 32])
+def test_rows_per_program_knob(rows: int) -> None:
+    """Smaller query blocks than FlashMLA's 64 rows (a GPU tuning knob) give the same result."""
+    case = TCase([9, 33], [5, 2], H=8, r=32, rope=16, page_size=16, seed=rows)
+    plan = case.plan(num_kv_splits=3, rows_per_program=rows)
+    bq = plan.step.work.block_q
+    assert bq * hx.attention_tiles(8, bq, rows)[1] == rows
+    assert_matches(case, case.triton(num_kv_splits=3, rows_per_program=rows))
+    with pytest.raises(ValueError, match="rows_per_program=24"):
+        TritonKernels(rows_per_program=24)
+
+
+def test_refresh_rewrites_the_schedule() -> None:
+    """A refreshed plan (new lengths, same query counts: CUDA-graph replay) gets the new
+    lengths' schedule in place, and the kernel serves the new step."""
+    case = TCase([5, 70, 12], [1, 1, 1], H=4, r=32, rope=16, page_size=16, seed=21,
+                 phase=mb.Phase.DECODE)
+    impl = TritonKernels(num_kv_splits=4, block_n=16)
+    plan = case.plan(impl)
+    meta, base = plan.step.work.schedule
+    addrs = (meta.data_ptr(), base.data_ptr())
+    grown = TCase([40, 71, 13], [1, 1, 1], H=4, r=32, rope=16, page_size=16, seed=21,
+                  phase=mb.Phase.DECODE)
+    plan.refresh_(grown.batch)
+    assert (meta.data_ptr(), base.data_ptr()) == addrs
+    fresh = grown.plan(impl).step.work.schedule
+    assert torch.equal(meta, fresh[0]) and torch.equal(base, fresh[1])
+    out = mb.absorbed_attention(grown.q_lat, grown.q_pe, grown.kv_cache, plan, grown.scale)
+    assert_matches(grown, out)
 
 
 @pytest.mark.parametrize("H", [1, 2, 3, 16, 128])
@@ -401,22 +452,12 @@ def test_attention_tiles_are_valid(H: int, max_new: int) -> None:
     assert bq * bh >= hx.MIN_DOT_DIM  # tl.dot needs M >= 16 on GPUs
     assert bh >= min(H, hx.ROWS_PER_PROGRAM)
     assert bq <= hx.next_pow2(max_new)
+    assert bq * bh <= max(hx.ROWS_PER_PROGRAM, hx.MIN_DOT_DIM)
     assert hx.dim_block(0) == 16 and hx.dim_block(96) == 128 and hx.dim_block(512) == 512
 
 
-def _load_benchmark():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_gpu_bench.py"
-    spec = importlib.util.spec_from_file_location("triton_gpu_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_benchmark_plumbing_on_cpu(capsys) -> None:
-    bench = _load_benchmark()
+    bench = load_benchmark()
     # FlashMLA's accounting: 1 ms, b=1, q_len=1, 1 head, 1000 kv tokens, bf16.
     tflops, gbs = bench._flashmla_throughput(1.0, 1, 1, 1, 1000, 2)
     assert tflops == pytest.approx(2 * 1000 * 1088 / 1e9)

@@ -62,8 +62,8 @@ def test_op_bodies_read_no_tensor_data_on_host(cache_dtype: torch.dtype) -> None
     q_lat = torch.randn(case.q_nope.shape[0], 3, 32, device=DEVICE).to(case.q_nope.dtype)
     scale = None if case.kv_scale is None else case.kv_scale.float().reshape(())
     args = (q_lat, case.q_pe, case.kv_cache, part.block_table, part.prefix_lens_t,
-            part.new_lens_t, part.cu_new_t, work.q_block_req, work.q_block_start, scale,
-            0.125, work.block_q, work.num_kv_splits, 16, False)
+            part.new_lens_t, part.cu_new_t, work.q_block_req, work.q_block_start,
+            *work.schedule, scale, 0.125, work.block_q, 16, 16, False)
     c_kv = torch.ones(2, 32, device=DEVICE, dtype=case.q_nope.dtype)
     k_pe = torch.ones(2, 16, device=DEVICE, dtype=case.q_nope.dtype)
     slots = torch.tensor([3, -1], device=DEVICE)

@@ -43,6 +43,17 @@ def load_triton_ops():
     return triton_ops
 
 
+def load_benchmark():
+    """``benchmarks/gpu.py`` (``python -m benchmarks gpu``) as a module."""
+    import importlib
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("benchmarks.gpu")
+
+
 tops = load_triton_ops()
 from mla_backend.ops.triton import Kernels as TritonKernels  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The Triton implementation of the device seam (:class:`Kernels`): the custom ops of
-:mod:`.ops` for the cache write and the absorbed attention, the torch implementation's normal
-path (cache reads, fused SDPA)."""
+:mod:`.ops` for the cache write and the absorbed attention (with its plan-time schedule,
+:mod:`.schedule`), the torch implementation's normal path (cache reads, fused SDPA)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 import triton
 
 from ..torch import Kernels as TorchKernels
+from . import ops as triton_ops  # by module: tests reload it and patch its functions
+from . import schedule
 from .jit import heuristics as hx
-from .ops import absorbed_attention, write_latent
 
 if TYPE_CHECKING:
     from ...dims import MLADims
@@ -24,8 +25,12 @@ class Kernels(TorchKernels):
     implementation (torch's fused SDPA).
 
     Tuning knobs (keyword arguments; tests use them to force paths):
-        num_kv_splits: force the split count (default :func:`heuristics.choose_num_splits`).
+        num_kv_splits: force the number of schedule pieces (programs along the split axis;
+            default :func:`heuristics.num_parts`); a forced count cuts the work into exactly
+            that many equal pieces (no minimum piece size).
         block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
+        rows_per_program: query rows (heads x tokens) per program, a power of two >= 16
+            (default :data:`heuristics.ROWS_PER_PROGRAM` = 64, FlashMLA's block).
         fp8_mode: ``"native"`` or ``"bits"`` e4m3 conversion (default :func:`fp8_mode`).
     """
 
@@ -36,11 +41,18 @@ class Kernels(TorchKernels):
         *,
         num_kv_splits: int | None = None,
         block_n: int | None = None,
+        rows_per_program: int = hx.ROWS_PER_PROGRAM,
         fp8_mode: str | None = None,
     ) -> None:
         super().__init__()
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
+        rows = rows_per_program
+        if rows < hx.MIN_DOT_DIM or rows & (rows - 1):
+            raise ValueError(
+                f"rows_per_program={rows} must be a power of two >= {hx.MIN_DOT_DIM}"
+            )
+        self.rows_per_program = rows
         self.num_kv_splits = num_kv_splits
         self.block_n = block_n
         self.fp8_mode = fp8_mode
@@ -48,7 +60,7 @@ class Kernels(TorchKernels):
     def __repr__(self) -> str:
         return (
             f"ops.triton.Kernels(num_kv_splits={self.num_kv_splits}, block_n={self.block_n}, "
-            f"fp8_mode={self.fp8_mode})"
+            f"rows_per_program={self.rows_per_program}, fp8_mode={self.fp8_mode})"
         )
 
     def work_shape(
@@ -58,20 +70,49 @@ class Kernels(TorchKernels):
         kv_lens: Sequence[int],
         device: torch.device,
     ) -> tuple[int, int]:
-        block_q, block_h = hx.attention_tiles(dims.num_heads, max(new_lens, default=1))
+        block_q, block_h = hx.attention_tiles(
+            dims.num_heads, max(new_lens, default=1), self.rows_per_program
+        )
         if self.num_kv_splits is not None:
             return block_q, self.num_kv_splits
-        q_blocks = sum(-(-n // block_q) for n in new_lens)
-        programs = q_blocks * triton.cdiv(dims.num_heads, block_h)
-        return block_q, hx.choose_num_splits(
-            programs, max(kv_lens, default=0), hx.sm_count(device)
-        )
+        return block_q, hx.num_parts(triton.cdiv(dims.num_heads, block_h), hx.sm_count(device))
+
+    def _block_h(self, dims: MLADims, block_q: int) -> int:
+        return hx.attention_tiles(dims.num_heads, block_q, self.rows_per_program)[1]
+
+    def _block_n(self, dims: MLADims, block_q: int) -> int:
+        if self.block_n is not None:
+            return self.block_n
+        block_h = self._block_h(dims, block_q)
+        return hx.kv_block(hx.dim_block(dims.kv_lora_rank), block_q * block_h)
+
+    def work_schedule(
+        self,
+        dims: MLADims,
+        new_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        block_q: int,
+        num_parts: int,
+        device: torch.device,
+        **_: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(part_meta [num_parts, 5], split_base [W + 1]) int32: the plan-time schedule of
+        :mod:`mla_backend.ops.triton.schedule`, from the plan's host ints (the plan's other
+        keyword arguments, ``block_table`` and ``page_size``, are not needed)."""
+        block_n = self._block_n(dims, block_q)
+        tiles = schedule.query_block_tiles(new_lens, kv_lens, block_q, block_n)
+        overhead = -(-hx.OVERHEAD_KV_ROWS // block_n)
+        min_units = 1 if self.num_kv_splits is not None else hx.MIN_KV_ROWS_PER_PART // block_n
+        return schedule.schedule_tensors(tiles, num_parts, overhead, min_units, block_n, device)
 
     def write_latent(self, kv_cache, c_kv, k_pe, slot_mapping, kv_scale) -> None:
-        write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale, fp8_mode=self.fp8_mode)
+        triton_ops.write_latent(
+            kv_cache, c_kv, k_pe, slot_mapping, kv_scale, fp8_mode=self.fp8_mode
+        )
 
     def absorbed_attention(self, q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale):
-        return absorbed_attention(
+        return triton_ops.absorbed_attention(
             q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale,
-            block_n=self.block_n, fp8_mode=self.fp8_mode,
+            block_n=self._block_n(part.dims, part.work.block_q),
+            block_h=self._block_h(part.dims, part.work.block_q), fp8_mode=self.fp8_mode,
         )

@@ -9,8 +9,9 @@ trace them like built-in operators:
 - ``mla_backend::triton_write_latent`` (:func:`write_latent`): one program per new token
   scatters ``[c_kv ; k_pe]`` into its slot (mutates the cache).
 - ``mla_backend::triton_absorbed_attention`` (:func:`absorbed_attention`): grouped-head paged
-  attention over the latent cache (decode and extend onto a prefix, ragged batches), split-KV
-  partials merged by LSE in a second kernel.
+  attention over the latent cache (decode and extend onto a prefix, ragged batches) in
+  FlashMLA's shape: up to 64 query rows per program, the kv work cut into equal pieces by the
+  plan's schedule (:mod:`.schedule`), split blocks' partials merged by LSE in a second kernel.
 
 The Python wrappers check shapes and dtypes and turn the plan part into the ops' tensor
 arguments; nothing in a call reads tensor data on the host (no ``.item()``, no ``.tolist()``),
@@ -50,6 +51,7 @@ from ...cache_layout import FP8_TILE, CacheLayout
 from .jit import heuristics as hx
 from .jit.attention import absorbed_attn_kernel, merge_splits_kernel
 from .jit.cache_write import write_latent_ds_kernel, write_latent_kernel
+from .schedule import max_partial_slots
 
 if TYPE_CHECKING:
     from ...plan import PlanPart
@@ -264,17 +266,20 @@ def _absorbed_attention_op(
     cu_new: torch.Tensor,
     q_block_req: torch.Tensor,
     q_block_start: torch.Tensor,
+    part_meta: torch.Tensor,
+    split_base: torch.Tensor,
     kv_scale: Optional[torch.Tensor],  # noqa: UP045 (torch's schema inference reads it)
     softmax_scale: float,
     block_q: int,
-    num_kv_splits: int,
+    block_h: int,
     block_n: int,
     fp8_bits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_backend::triton_absorbed_attention``: arguments already checked by
     :func:`absorbed_attention` (the plan part's int32 index tensors, its work partition
-    ``block_q`` / ``num_kv_splits``, q_lat / q_pe last-dim contiguous, kv_scale a float32
-    scalar or None). Returns (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32)."""
+    ``block_q`` and schedule ``part_meta`` [num_parts, 5] / ``split_base`` [W + 1], q_lat /
+    q_pe last-dim contiguous, kv_scale a float32 scalar or None).
+    Returns (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32)."""
     T, H, r = q_lat.shape
     rope = q_pe.shape[-1]
     device = q_lat.device
@@ -283,19 +288,13 @@ def _absorbed_attention_op(
     lse = torch.empty(T, H, dtype=torch.float32, device=device)
     if T == 0 or H == 0:
         return o_lat, lse
-    block_h = hx.attention_tiles(H, block_q)[1]
     block_r = hx.dim_block(r)
     num_q_blocks = q_block_req.shape[0]
+    num_pieces = part_meta.shape[0]
     num_h_blocks = triton.cdiv(H, block_h)
-    if num_kv_splits == 1:
-        out, out_lse = o_lat, lse
-        so = (o_lat.stride(0), o_lat.stride(1), 0)
-        sl = (lse.stride(0), lse.stride(1), 0)
-    else:
-        out = torch.empty(T, H, num_kv_splits, r, dtype=torch.float32, device=device)
-        out_lse = torch.empty(T, H, num_kv_splits, dtype=torch.float32, device=device)
-        so = (out.stride(0), out.stride(1), out.stride(2))
-        sl = (out_lse.stride(0), out_lse.stride(1), out_lse.stride(2))
+    max_splits = max_partial_slots(num_pieces)  # bounded by the pieces, not by the batch
+    part_o = torch.empty(max_splits, block_q, H, r, dtype=torch.float32, device=device)
+    part_lse = torch.empty(max_splits, block_q, H, dtype=torch.float32, device=device)
     if _skip_launch(q_lat):
         return o_lat, lse
     _check_runnable(device, absorbed_attn_kernel)
@@ -315,8 +314,10 @@ def _absorbed_attention_op(
         scale_offset = rope_offset = 0
         kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
     q_pe_arg = q_pe if rope else q_lat
+    part_o_arg = part_o if max_splits else lse  # never written when nothing is split
+    part_lse_arg = part_lse if max_splits else lse
 
-    wrap_triton(absorbed_attn_kernel)[(num_q_blocks * num_h_blocks, num_kv_splits)](
+    wrap_triton(absorbed_attn_kernel)[(num_h_blocks, num_pieces)](
         q_lat,
         q_pe_arg,
         kv_arg,
@@ -326,14 +327,17 @@ def _absorbed_attention_op(
         cu_new,
         q_block_req,
         q_block_start,
+        part_meta,
+        split_base,
         scale,
-        out,
-        out_lse,
+        o_lat,
+        lse,
+        part_o_arg,
+        part_lse_arg,
         H,
         r,
         rope,
         kv_cache.shape[1],
-        num_kv_splits,
         scale_offset,
         rope_offset,
         softmax_scale * _LOG2E,
@@ -344,8 +348,10 @@ def _absorbed_attention_op(
         kv_cache.stride(0),
         kv_cache.stride(1),
         block_table.stride(0),
-        *so,
-        *sl,
+        o_lat.stride(0),
+        o_lat.stride(1),
+        lse.stride(0),
+        lse.stride(1),
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
@@ -362,28 +368,27 @@ def _absorbed_attention_op(
         TILE=FP8_TILE,
         NUM_TILES=max(block_r // FP8_TILE, 1),
         ROPE_DTYPE=_TL_DTYPE[cd],
-        num_warps=4,
+        num_warps=hx.num_warps(block_q * block_h, block_r),
     )
-    if num_kv_splits > 1:
+    if max_splits:
         merge_block_h = min(hx.next_pow2(H), 16)
-        wrap_triton(merge_splits_kernel)[(T, triton.cdiv(H, merge_block_h))](
-            out,
-            out_lse,
+        wrap_triton(merge_splits_kernel)[(num_q_blocks * block_q, triton.cdiv(H, merge_block_h))](
+            q_block_req,
+            q_block_start,
+            new_lens,
+            cu_new,
+            split_base,
+            part_o,
+            part_lse,
             o_lat,
             lse,
             H,
             r,
-            num_kv_splits,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            out_lse.stride(0),
-            out_lse.stride(1),
-            out_lse.stride(2),
             o_lat.stride(0),
             o_lat.stride(1),
             lse.stride(0),
             lse.stride(1),
+            BLOCK_Q=block_q,
             BLOCK_H=merge_block_h,
             BLOCK_R=block_r,
             ROUND_BF16=round_bf16,
@@ -401,6 +406,7 @@ def absorbed_attention(
     kv_scale: torch.Tensor | None = None,
     *,
     block_n: int | None = None,
+    block_h: int | None = None,
     fp8_mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over the paged latent cache (decode and extend), through the
@@ -413,10 +419,14 @@ def absorbed_attention(
             ``fp8_ds_mla`` rows (tile scales applied in-kernel; k_pe in q_lat's dtype; kv_scale
             ignored); holds every request's ``prefix_lens[i] + new_lens[i]`` tokens.
         part: the plan's requests (T == part.num_tokens); its work partition gives the query
-            blocks and the split count.
+            blocks and the schedule (``work.schedule``: part_meta, split_base, made by
+            :meth:`mla_backend.ops.triton.Kernels.work_schedule`).
         softmax_scale: applied to ``q·k`` (a Python float).
         kv_scale: float32 scalar: cached values are ``stored * kv_scale`` (fp8 caches).
-        block_n: force the kv tile (power of two >= 16; default :func:`heuristics.kv_block`).
+        block_n: kv rows per inner-loop step (power of two >= 16; default
+            :func:`heuristics.kv_block`).
+        block_h: heads per program (a power of two with ``block_q * block_h`` >= 16; default
+            :func:`heuristics.attention_tiles` of the plan's ``block_q``).
         fp8_mode: ``"native"`` (Triton's e4m3 conversion) or ``"bits"`` (integer decode of
             the bytes); default: :func:`fp8_mode` of the device.
     Returns:
@@ -442,8 +452,16 @@ def absorbed_attention(
         raise ValueError(f"q_lat has {T} tokens but the plan part has {part.num_tokens}")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
+    block_q = part.work.block_q
+    if block_h is None:
+        block_h = hx.attention_tiles(H, block_q)[1]
+    if block_h & (block_h - 1) or block_q * block_h < hx.MIN_DOT_DIM:
+        raise ValueError(
+            f"block_h={block_h} must be a power of two with block_q * block_h >= "
+            f"{hx.MIN_DOT_DIM} (block_q={block_q})"
+        )
     if block_n is None:
-        block_n = hx.kv_block(hx.dim_block(r))
+        block_n = hx.kv_block(hx.dim_block(r), block_q * block_h)
     if block_n < hx.MIN_DOT_DIM or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two >= {hx.MIN_DOT_DIM}")
     device = q_lat.device
@@ -454,6 +472,14 @@ def absorbed_attention(
         and _resolve_fp8_mode(fp8_mode, device) == "bits"
     )
     work = part.work
+    if len(work.schedule) < 2 or not all(
+        isinstance(t, torch.Tensor) for t in work.schedule[:2]
+    ):
+        raise ValueError(
+            "the plan part has no Triton schedule (work.schedule = (part_meta, split_base, "
+            "...)): plan the step with mla_backend.ops.triton.Kernels"
+        )
+    part_meta, split_base = work.schedule[:2]
     return torch.ops.mla_backend.triton_absorbed_attention(
         _last_dim_contiguous(q_lat),
         _last_dim_contiguous(q_pe.to(q_lat.dtype)),
@@ -464,10 +490,12 @@ def absorbed_attention(
         part.cu_new_t,
         work.q_block_req,
         work.q_block_start,
+        part_meta,
+        split_base,
         kv_scale.float().reshape(()) if kv_scale is not None else None,
         float(softmax_scale),
         work.block_q,
-        work.num_kv_splits,
+        block_h,
         block_n,
         fp8_bits,
     )

@@ -7,17 +7,21 @@ of the paged cache; the first ``r`` columns are also the value. For a query row
     score(n) = softmax_scale * (q_lat . c_kv[n] + q_pe . k_pe[n])     (two dots, no concat)
     o_lat    = sum_n softmax(score)(n) * c_kv[n]
 
-``absorbed_attn_kernel``: grid (query blocks x head blocks, splits); one program = one block
-of query rows of ONE request
-(``BLOCK_Q`` consecutive new tokens x ``BLOCK_H`` heads, flattened into ``BLOCK_Q*BLOCK_H``
-rows so every latent row loaded serves all of them) x one KV split. It walks the split's kv
-positions ``BLOCK_N`` at a time through the block table, runs an online softmax in base 2,
-and writes the split's normalized partial output and natural-log LSE. Causality: row
-``(token j, head h)`` sees kv positions ``< prefix + j + 1``; a row that sees nothing in a split
-writes output 0 and LSE -inf. A decode is the ``BLOCK_Q = 1`` special case of the same code.
+``absorbed_attn_kernel`` (FlashMLA's shape): grid (head blocks, pieces). A query block is
+``BLOCK_Q`` consecutive new tokens of ONE request x ``BLOCK_H`` heads, flattened into
+``BLOCK_Q*BLOCK_H`` (up to 64) rows so every latent row loaded serves all of them. Program
+``(h, k)`` runs piece ``k`` of the plan's schedule (:mod:`mla_backend.ops.triton.schedule`): a
+run of consecutive query blocks, the first and last possibly cut at a kv row. For each, it
+walks its kv tiles ``BLOCK_N`` rows at a time through the block table (one tile feeds both
+``Q·Kᵀ`` dots, r and rope, and ``P·V`` over its first r columns), runs an online softmax in base
+2 in fp32, and writes either the final output (a block served whole by this piece) or an fp32
+partial and its natural-log LSE (a block the schedule split). Causality: row ``(token j, head
+h)`` sees kv positions ``< prefix + j + 1``; a row that sees nothing in a piece writes output 0
+and LSE -inf. A decode is the ``BLOCK_Q = 1`` special case of the same code.
 
-``merge_splits_kernel``: one program = one token x ``BLOCK_H`` heads; combines the splits'
-``(o_s, lse_s)`` by ``o = sum_s exp(lse_s - lse) o_s`` with ``lse = logsumexp_s lse_s``.
+``merge_splits_kernel``: one program = one token of a query block x ``BLOCK_H`` heads; for a
+split block it combines the pieces' ``(o_s, lse_s)`` by ``o = sum_s exp(lse_s - lse) o_s`` with
+``lse = logsumexp_s lse_s``; a block served whole is left as the attention kernel wrote it.
 
 ``fp8_ds_mla`` caches (``DS``, uint8 rows, see :mod:`mla_backend.cache_layout`): the e4m3
 bytes of ``c_kv`` are decoded (natively or with integer ops), multiplied in fp32 by their
@@ -86,16 +90,19 @@ def absorbed_attn_kernel(
     prefix_lens_ptr,  # [B] int32
     new_lens_ptr,  # [B] int32
     cu_new_ptr,  # [B + 1] int32
-    blk_req_ptr,  # [num_q_blocks] int32: request of each query block
-    blk_q0_ptr,  # [num_q_blocks] int32: first new-token index (within the request)
+    blk_req_ptr,  # [W] int32: request of each query block
+    blk_q0_ptr,  # [W] int32: first new-token index (within the request)
+    part_meta_ptr,  # [num_parts, 5] int32: the plan's schedule (see schedule.py)
+    split_base_ptr,  # [W + 1] int32: first partial slot of each split query block
     kv_scale_ptr,  # [] float32 (read only when HAS_SCALE)
-    out_ptr,  # [T, H, (splits,) r]: final o_lat (q dtype) or fp32 partials
-    lse_ptr,  # [T, H, (splits)] float32
+    out_ptr,  # [T, H, r] q dtype: final o_lat of query blocks served whole by one piece
+    lse_ptr,  # [T, H] float32
+    part_o_ptr,  # [S, BLOCK_Q, H, r] float32 partials of split query blocks (contiguous)
+    part_lse_ptr,  # [S, BLOCK_Q, H] float32 (contiguous)
     num_heads,
     r_dim,
     rope_dim,
     page_size,
-    num_splits,
     scale_offset,  # DS: byte offset of a row's float32 tile scales
     rope_offset,  # DS: byte offset of a row's k_pe (ROPE_DTYPE)
     qk_scale_log2,  # softmax_scale * log2(e)
@@ -108,10 +115,8 @@ def absorbed_attn_kernel(
     stride_btb,
     stride_ot,
     stride_oh,
-    stride_os,
     stride_lt,
     stride_lh,
-    stride_ls,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,159 +136,183 @@ def absorbed_attn_kernel(
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     # Head blocks vary fastest in launch order, so the programs that read the same latent rows
-    # (all head blocks of one query block and split) run together and share them through L2.
-    # (axis 0 is flattened: grid axes 1 and 2 are limited to 65535 on CUDA).
-    pid = tl.program_id(0)
-    num_h_blocks = tl.cdiv(num_heads, BLOCK_H)
-    pid_h = pid % num_h_blocks
-    pid_b = pid // num_h_blocks
-    pid_s = tl.program_id(1)
-
-    req = tl.load(blk_req_ptr + pid_b)
-    q0 = tl.load(blk_q0_ptr + pid_b)
-    prefix = tl.load(prefix_lens_ptr + req)
-    n_new = tl.load(new_lens_ptr + req)
-    tok0 = tl.load(cu_new_ptr + req)
-    kv_len = prefix + n_new
+    # (all head blocks of one piece) run together and share them through L2.
+    pid_h = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    meta = part_meta_ptr + pid_p * 5
+    w_first = tl.load(meta)
+    n_first = tl.load(meta + 1)
+    w_last = tl.load(meta + 2)
+    n_last = tl.load(meta + 3)
+    g_first = tl.load(meta + 4)
 
     offs_m = tl.arange(0, BLOCK_M)
-    qj = q0 + offs_m // BLOCK_H  # new-token index within the request
+    jq = offs_m // BLOCK_H  # token of the row within its query block
     head = pid_h * BLOCK_H + offs_m % BLOCK_H
-    row_ok = (qj < n_new) & (head < num_heads)
-    tok = (tok0 + qj).to(tl.int64)
+    head_ok = head < num_heads
     head64 = head.to(tl.int64)
-    row_end = prefix + qj + 1  # causal bound (exclusive) of each row
-
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < r_dim
-    q_lat = tl.load(
-        q_lat_ptr + tok[:, None] * stride_qlt + head64[:, None] * stride_qlh + offs_r[None, :],
-        mask=row_ok[:, None] & r_ok[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
     offs_p = tl.arange(0, BLOCK_ROPE)
     p_ok = offs_p < rope_dim
-    if HAS_ROPE:
-        q_pe = tl.load(
-            q_pe_ptr + tok[:, None] * stride_qpt + head64[:, None] * stride_qph + offs_p[None, :],
-            mask=row_ok[:, None] & p_ok[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
+    offs_n0 = tl.arange(0, BLOCK_N)
 
     qk_scale = qk_scale_log2
     if HAS_SCALE:
         kv_scale = tl.load(kv_scale_ptr).to(tl.float32)
         qk_scale = qk_scale * kv_scale
 
-    # This split's kv range: same chunking for every query block of the request, clipped to
-    # what the block's last token can see.
-    blk_end = tl.minimum(prefix + q0 + BLOCK_Q, kv_len)
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * chunk
-    end = tl.minimum(start + chunk, blk_end)
+    for w in range(w_first, w_last + 1):
+        req = tl.load(blk_req_ptr + w)
+        q0 = tl.load(blk_q0_ptr + w)
+        prefix = tl.load(prefix_lens_ptr + req)
+        n_new = tl.load(new_lens_ptr + req)
+        tok0 = tl.load(cu_new_ptr + req)
+        kv_len = prefix + n_new
+        qj = q0 + jq  # new-token index within the request
+        row_ok = (qj < n_new) & head_ok
+        tok = (tok0 + qj).to(tl.int64)
+        row_end = prefix + qj + 1  # causal bound (exclusive) of each row
+        # this piece's kv rows of block w: all of them, except at the piece's two ends
+        need = tl.minimum(prefix + q0 + BLOCK_Q, kv_len)
+        start = tl.where(w == w_first, n_first, 0)
+        end = tl.minimum(tl.where(w == w_last, n_last, need), need)
+        g_base = tl.load(split_base_ptr + w)
+        n_split = tl.load(split_base_ptr + w + 1) - g_base
+        g = tl.where(w == w_first, g_first, g_base).to(tl.int64)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_btb
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + offs_n0
-        n_ok = offs_n < end
-        page = tl.load(bt_row + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
-        rows = kv_ptr + page * stride_kvp + (offs_n % page_size).to(tl.int64) * stride_kvs
-        kv_ptrs = rows[:, None] + offs_r[None, :]
-        kv_mask = n_ok[:, None] & r_ok[None, :]
-        if FP8_BITS:
-            kv = _e4m3_bits_to_f32(tl.load(kv_ptrs, mask=kv_mask, other=0))
-        else:
-            kv = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-        if DS:
-            # each value times its own tile's float32 scale, in registers (fp32, exact as
-            # the torch reader's product), then rounded once to the dot dtype
-            # one load per (row, tile), broadcast over the tile's values in registers
-            sc_row = (rows + scale_offset).to(tl.pointer_type(tl.float32))
-            offs_t = tl.arange(0, NUM_TILES)
-            sc_mask = n_ok[:, None] & (offs_t * TILE < r_dim)[None, :]
-            sc = tl.load(sc_row[:, None] + offs_t[None, :], mask=sc_mask, other=0.0)
-            kv = tl.reshape(kv.to(tl.float32), [BLOCK_N, NUM_TILES, BLOCK_R // NUM_TILES])
-            kv = tl.reshape(kv * sc[:, :, None], [BLOCK_N, BLOCK_R])
-            if ROUND_BF16:
-                kv = _round_to_bf16_grid(kv)
-        kv = kv.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
-        s = _dot(q_lat, tl.trans(kv), IEEE)
+        q_lat = tl.load(
+            q_lat_ptr + tok[:, None] * stride_qlt + head64[:, None] * stride_qlh + offs_r[None, :],
+            mask=row_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
         if HAS_ROPE:
-            pe_ptrs = rows[:, None] + r_dim + offs_p[None, :]
-            pe_mask = n_ok[:, None] & p_ok[None, :]
-            if DS:  # k_pe unquantized, in the compute dtype, at its byte offset
-                pe_row = (rows + rope_offset).to(tl.pointer_type(ROPE_DTYPE))
-                k_pe = tl.load(pe_row[:, None] + offs_p[None, :], mask=pe_mask, other=0.0)
-            elif FP8_BITS:
-                k_pe = _e4m3_bits_to_f32(tl.load(pe_ptrs, mask=pe_mask, other=0))
+            q_pe = tl.load(
+                q_pe_ptr
+                + tok[:, None] * stride_qpt
+                + head64[:, None] * stride_qph
+                + offs_p[None, :],
+                mask=row_ok[:, None] & p_ok[None, :],
+                other=0.0,
+            ).to(DOT_DTYPE)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        bt_row = block_table_ptr + req.to(tl.int64) * stride_btb
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + offs_n0
+            n_ok = offs_n < end
+            page = tl.load(bt_row + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
+            rows = kv_ptr + page * stride_kvp + (offs_n % page_size).to(tl.int64) * stride_kvs
+            kv_ptrs = rows[:, None] + offs_r[None, :]
+            kv_mask = n_ok[:, None] & r_ok[None, :]
+            if FP8_BITS:
+                kv = _e4m3_bits_to_f32(tl.load(kv_ptrs, mask=kv_mask, other=0))
             else:
-                k_pe = tl.load(pe_ptrs, mask=pe_mask, other=0.0)
-            k_pe = k_pe.to(DOT_DTYPE)
-            s += _dot(q_pe, tl.trans(k_pe), IEEE)
-        s = (s * qk_scale).to(tl.float32)  # fp32 even if the scale comes in as fp64
-        visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)  # fp32 row sums of the unrounded probabilities
+                kv = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+            if DS:
+                # each value times its own tile's float32 scale, in registers (fp32, exact as
+                # the torch reader's product), then rounded once to the dot dtype; one load
+                # per (row, tile), broadcast over the tile's values
+                sc_row = (rows + scale_offset).to(tl.pointer_type(tl.float32))
+                offs_t = tl.arange(0, NUM_TILES)
+                sc_mask = n_ok[:, None] & (offs_t * TILE < r_dim)[None, :]
+                sc = tl.load(sc_row[:, None] + offs_t[None, :], mask=sc_mask, other=0.0)
+                kv = tl.reshape(kv.to(tl.float32), [BLOCK_N, NUM_TILES, BLOCK_R // NUM_TILES])
+                kv = tl.reshape(kv * sc[:, :, None], [BLOCK_N, BLOCK_R])
+                if ROUND_BF16:
+                    kv = _round_to_bf16_grid(kv)
+            kv = kv.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
+            s = _dot(q_lat, tl.trans(kv), IEEE)
+            if HAS_ROPE:
+                pe_ptrs = rows[:, None] + r_dim + offs_p[None, :]
+                pe_mask = n_ok[:, None] & p_ok[None, :]
+                if DS:  # k_pe unquantized, in the compute dtype, at its byte offset
+                    pe_row = (rows + rope_offset).to(tl.pointer_type(ROPE_DTYPE))
+                    k_pe = tl.load(pe_row[:, None] + offs_p[None, :], mask=pe_mask, other=0.0)
+                elif FP8_BITS:
+                    k_pe = _e4m3_bits_to_f32(tl.load(pe_ptrs, mask=pe_mask, other=0))
+                else:
+                    k_pe = tl.load(pe_ptrs, mask=pe_mask, other=0.0)
+                k_pe = k_pe.to(DOT_DTYPE)
+                s += _dot(q_pe, tl.trans(k_pe), IEEE)
+            s = (s * qk_scale).to(tl.float32)  # fp32 even if the scale comes in as fp64
+            visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)  # fp32 row sums of the unrounded probabilities
+            if ROUND_BF16:
+                p = _round_to_bf16_grid(p)
+            acc = acc * alpha[:, None] + _dot(p.to(P_DTYPE).to(DOT_DTYPE), kv, IEEE)
+            m_i = m_new
+
+        if HAS_SCALE:
+            acc = acc * kv_scale
+        has_mass = l_i > 0.0
+        l_safe = tl.where(has_mass, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        # a block served whole by this piece: its final output; a split one: an fp32 partial
+        nsp = tl.zeros([BLOCK_M], dtype=tl.int32) + n_split  # as a row vector: mask dtype
+        whole = row_ok & (nsp == 0)  # a block served whole has no partial slots
+        split = row_ok & (nsp > 0)
+        o_fin = o
         if ROUND_BF16:
-            p = _round_to_bf16_grid(p)
-        acc = acc * alpha[:, None] + _dot(p.to(P_DTYPE).to(DOT_DTYPE), kv, IEEE)
-        m_i = m_new
-
-    if HAS_SCALE:
-        acc = acc * kv_scale
-    has_mass = l_i > 0.0
-    l_safe = tl.where(has_mass, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    if ROUND_BF16:
-        if out_ptr.dtype.element_ty == tl.bfloat16:  # fp32 split partials stay unrounded
-            o = _round_to_bf16_grid(o)
-
-    o_ptrs = (
-        out_ptr
-        + tok[:, None] * stride_ot
-        + head64[:, None] * stride_oh
-        + pid_s * stride_os
-        + offs_r[None, :]
-    )
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
-    tl.store(lse_ptr + tok * stride_lt + head64 * stride_lh + pid_s * stride_ls, lse, mask=row_ok)
+            if out_ptr.dtype.element_ty == tl.bfloat16:
+                o_fin = _round_to_bf16_grid(o)
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head64[:, None] * stride_oh + offs_r[None, :],
+            o_fin.to(out_ptr.dtype.element_ty),
+            mask=whole[:, None] & r_ok[None, :],
+        )
+        tl.store(lse_ptr + tok * stride_lt + head64 * stride_lh, lse, mask=whole)
+        prow = (g * BLOCK_Q + jq) * num_heads + head64  # [BLOCK_M] row of the partials
+        tl.store(
+            part_o_ptr + prow[:, None] * r_dim + offs_r[None, :], o,
+            mask=split[:, None] & r_ok[None, :],
+        )
+        tl.store(part_lse_ptr + prow, lse, mask=split)
 
 
 @triton.jit
 def merge_splits_kernel(
-    part_o_ptr,  # [T, H, S, r] float32
-    part_lse_ptr,  # [T, H, S] float32
+    blk_req_ptr,  # [W] int32
+    blk_q0_ptr,  # [W] int32
+    new_lens_ptr,  # [B] int32
+    cu_new_ptr,  # [B + 1] int32
+    split_base_ptr,  # [W + 1] int32
+    part_o_ptr,  # [S, BLOCK_Q, H, r] float32 (contiguous)
+    part_lse_ptr,  # [S, BLOCK_Q, H] float32 (contiguous)
     out_ptr,  # [T, H, r] q dtype
     lse_ptr,  # [T, H] float32
     num_heads,
     r_dim,
-    num_splits,
-    stride_pot,
-    stride_poh,
-    stride_pos,
-    stride_plt,
-    stride_plh,
-    stride_pls,
     stride_ot,
     stride_oh,
     stride_lt,
     stride_lh,
+    BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     ROUND_BF16: tl.constexpr,  # interpreter, bf16 output: round to nearest even (see above)
 ):
-    t = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    w = pid // BLOCK_Q
+    j = pid % BLOCK_Q
+    req = tl.load(blk_req_ptr + w)
+    qj = tl.load(blk_q0_ptr + w) + j
+    t = (tl.load(cu_new_ptr + req) + qj).to(tl.int64)
+    n_new = tl.load(new_lens_ptr + req)
+    g_base = tl.load(split_base_ptr + w)
+    n_split = tl.load(split_base_ptr + w + 1) - g_base
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
+    zero = tl.zeros([BLOCK_H], dtype=tl.int32)  # scalars as row vectors: mask dtype
+    # a block served whole is already final
+    h_ok = (heads < num_heads) & (zero + qj < n_new) & (zero + n_split > 0)
     heads = heads.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask = h_ok[:, None] & (offs_r < r_dim)[None, :]
@@ -291,27 +320,16 @@ def merge_splits_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for s in range(0, num_splits):
-        lse_s = tl.load(
-            part_lse_ptr + t * stride_plt + heads * stride_plh + s * stride_pls,
-            mask=h_ok,
-            other=float("-inf"),
-        )
-        o_s = tl.load(
-            part_o_ptr
-            + t * stride_pot
-            + heads[:, None] * stride_poh
-            + s * stride_pos
-            + offs_r[None, :],
-            mask=mask,
-            other=0.0,
-        )
+    for s in range(0, n_split):
+        prow = ((g_base + s).to(tl.int64) * BLOCK_Q + j) * num_heads + heads
+        lse_s = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
+        o_s = tl.load(part_o_ptr + prow[:, None] * r_dim + offs_r[None, :], mask=mask, other=0.0)
         m_new = tl.maximum(m, lse_s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_use)
-        w = tl.exp(lse_s - m_use)
-        l_sum = l_sum * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_s
+        wgt = tl.exp(lse_s - m_use)
+        l_sum = l_sum * alpha + wgt
+        acc = acc * alpha[:, None] + wgt[:, None] * o_s
         m = m_new
 
     has_mass = l_sum > 0.0

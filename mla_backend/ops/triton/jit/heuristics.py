@@ -5,19 +5,19 @@ every real dimension (heads, new tokens, r, rope) is padded up to a power-of-two
 masked inside the kernels. Nothing here touches a GPU; ``sm_count`` falls back to a constant
 on devices without CUDA/ROCm properties (CPU under the Triton interpreter).
 
-Split-KV heuristic (decode and extend share it). A program handles one block of query rows
-(``BLOCK_Q`` new tokens x ``BLOCK_H`` heads of one request) over one KV split, so the grid has
-``num_q_blocks * num_head_blocks * num_splits`` programs. We pick the smallest ``num_splits``
-that gives about ``WAVES`` programs per multiprocessor, but never make a split shorter than
-``MIN_KV_PER_SPLIT`` tokens of the longest request (short splits cost more in the merge and in
-partial-output traffic than they gain in parallelism) and never more than ``MAX_SPLITS``:
+Work partition (decode and extend share it; FlashMLA's shape). A program takes a block of
+query rows (``BLOCK_Q`` new tokens x ``BLOCK_H`` heads of one request, up to
+``ROWS_PER_PROGRAM`` = 64 rows: the MMA's M) and walks a run of kv tiles of ``BLOCK_N`` rows.
+The grid is ``num_head_blocks x num_parts``; the plan cuts every query block's kv tiles into
+``num_parts`` pieces of equal cost (:mod:`mla_backend.ops.triton.schedule`), so long requests
+get more splits than short ones and every program about the same work:
 
-    num_splits = clamp(min(ceil(WAVES * sms / base_programs),
-                           ceil(max_kv_len / MIN_KV_PER_SPLIT)), 1, MAX_SPLITS)
+    num_parts = ceil(PROGRAMS_PER_SM * sms / num_head_blocks)
 
-Requests shorter than the longest one get empty trailing splits; those write LSE = -inf and
-a zero partial output, which the merge weighs as zero. These constants are design targets,
-not tuned numbers: nobody on this project has run the kernels on a GPU.
+Each query block costs ``OVERHEAD_KV_ROWS`` kv rows extra (loading Q, writing a partial, the
+merge); a piece is never shorter than ``MIN_KV_ROWS_PER_PART`` (fewer splits for small batches).
+These constants are design targets, not tuned numbers: nobody on this project has run the
+scheduled kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ import os
 
 import torch
 
-#: Target programs per multiprocessor when choosing the split count.
-WAVES = 2
-#: A split never covers fewer kv tokens than this (of the longest request).
-MIN_KV_PER_SPLIT = 256
-#: Upper bound on splits (bounds the partial-output buffer: T * H * splits * r floats).
-MAX_SPLITS = 64
+#: Programs per multiprocessor (per head block) when choosing the number of pieces.
+PROGRAMS_PER_SM = 2
+#: Fixed cost of one query block in the schedule, in kv rows (FlashMLA counts 5 blocks of 64).
+OVERHEAD_KV_ROWS = 256
+#: A piece of the schedule covers at least this many kv rows' worth of work.
+MIN_KV_ROWS_PER_PART = 256
 #: Multiprocessor count assumed where the device has none to report (CPU, interpreter).
 CPU_FALLBACK_SM_COUNT = 4
 #: Smallest tile edge: ``tl.dot`` requires M, N, K >= 16 on NVIDIA/AMD GPUs.
 MIN_DOT_DIM = 16
-#: Query rows (tokens x heads) per program; 16 keeps a [16, 512] fp32 accumulator in registers.
-ROWS_PER_PROGRAM = 16
+#: Query rows (tokens x heads) per program: 64, the M of Hopper's wgmma (FlashMLA's block).
+ROWS_PER_PROGRAM = 64
 
 
 def interpreting() -> bool:
@@ -70,35 +70,36 @@ def sm_count(device: torch.device) -> int:
     return CPU_FALLBACK_SM_COUNT
 
 
-def choose_num_splits(base_programs: int, max_kv_len: int, sms: int) -> int:
-    """Split count for a grid of ``base_programs`` (q blocks x head blocks) programs per split.
+def num_parts(num_head_blocks: int, sms: int) -> int:
+    """Pieces of the plan's schedule (programs along the grid's split axis).
 
     Args:
-        base_programs: programs in the grid before splitting KV (>= 1).
-        max_kv_len: longest request's kv length in the batch.
+        num_head_blocks: programs along the head axis (>= 1).
         sms: multiprocessors of the device (see :func:`sm_count`).
-    Returns:
-        An int in [1, MAX_SPLITS].
     """
-    if max_kv_len <= 0 or base_programs <= 0:
-        return 1
-    want = -(-(WAVES * sms) // base_programs)
-    by_len = -(-max_kv_len // MIN_KV_PER_SPLIT)
-    return max(1, min(want, by_len, MAX_SPLITS))
+    return max(1, -(-PROGRAMS_PER_SM * sms // max(num_head_blocks, 1)))
 
 
-def attention_tiles(num_heads: int, max_new_len: int) -> tuple[int, int]:
+def attention_tiles(
+    num_heads: int, max_new_len: int, rows: int = ROWS_PER_PROGRAM
+) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_H): new tokens and heads per program, with BLOCK_Q * BLOCK_H >= 16.
 
-    Heads come first (they share every KV load: MLA is MQA); spare rows go to more new tokens
-    of the same request so an extend re-reads the KV less often.
+    Heads come first (they share every KV load: MLA is MQA); spare rows (of ``rows``, a power
+    of two) go to more new tokens of the same request so an extend re-reads the KV less often.
     """
     h = next_pow2(num_heads)
-    block_q = min(next_pow2(max_new_len), max(1, ROWS_PER_PROGRAM // h))
-    block_h = max(min(h, ROWS_PER_PROGRAM), MIN_DOT_DIM // block_q)
+    block_q = min(next_pow2(max_new_len), max(1, rows // h))
+    block_h = max(min(h, rows), MIN_DOT_DIM // block_q)
     return block_q, block_h
 
 
-def kv_block(block_r: int) -> int:
-    """KV rows per inner-loop step (smaller for wide latents to bound register use)."""
-    return 16 if block_r >= 256 else 32
+def kv_block(block_r: int, block_m: int) -> int:
+    """KV rows per inner-loop step: 64 (FlashMLA's tile) unless a wide latent and a full
+    64-row query block would not fit (then 32)."""
+    return 32 if block_r >= 256 and block_m >= ROWS_PER_PROGRAM else 64
+
+
+def num_warps(block_m: int, block_r: int) -> int:
+    """Warps per program: 8 for a [64, 512] fp32 accumulator (two warpgroups), else 4."""
+    return 8 if block_m * block_r >= 64 * 256 else 4
