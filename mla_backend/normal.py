@@ -17,7 +17,7 @@ from .weights import AbsorbWeights
 
 if TYPE_CHECKING:
     from .ops import KernelImpl
-    from .plan import PlanPart
+    from .parts import PlanPart
 
 DEFAULT_CHUNK_TOKENS = 4096
 

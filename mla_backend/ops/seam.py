@@ -26,7 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..dims import MLADims
-    from ..plan import PlanPart
+    from ..parts import PlanPart
     from ..weights import AbsorbWeights
 
 IMPLS = ("auto", "torch", "native", "triton")

@@ -19,7 +19,7 @@ from . import ops as native
 
 if TYPE_CHECKING:
     from ...dims import MLADims
-    from ...plan import PlanPart
+    from ...parts import PlanPart
     from ...weights import AbsorbWeights
 
 

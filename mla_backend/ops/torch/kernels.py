@@ -27,7 +27,7 @@ from ...weights import AbsorbWeights, absorb_q, apply_W_UV
 
 if TYPE_CHECKING:
     from ...dims import MLADims
-    from ...plan import PlanPart
+    from ...parts import PlanPart
 
 
 class Kernels:
