@@ -216,7 +216,7 @@ def plan(
     dev = torch.device(device) if device is not None else batch.block_table.device
     kernels = get_impl(dev, impl)
     policy = policy if policy is not None else Policy.from_env()
-    return _build(batch, dims, policy.choose(batch, dims, dev.type, kernels.name), kernels, dev)
+    return _build(batch, dims, policy.choose(batch, dims, kernels.cost_profile(dev)), kernels, dev)
 
 
 def _build(
