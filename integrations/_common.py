@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_backend.cache_layout import CacheLayout
+
 
 def pad_rows(o: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The step's output padded to the engine's row count.
@@ -40,6 +42,40 @@ def pad_rows(o: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> tor
     if rows > T:
         flat[T:].zero_()
     return out
+
+
+def engine_cache_view(
+    buf: torch.Tensor, layout: CacheLayout, page_size: int, engine: str
+) -> torch.Tensor:
+    """An engine's latent cache of one layer as the core's paged cache.
+
+    Args:
+        buf: the engine's tensor, one row per token slot: vLLM's [pages, 1, page_size, W] or
+            [pages, page_size, W], SGLang's [slots, 1, W]. A cache of a 1-byte layout may
+            come as uint8 or float8 storage: it is bit-viewed as ``layout.dtype``.
+        layout: the layer's cache layout (the adapter names it once, at start-up).
+        page_size: tokens per page.
+        engine: the backend's name, for errors.
+    Returns:
+        [num_pages, page_size, layout.width] in ``layout.dtype`` (a view, no copy).
+    Raises:
+        ValueError: rows of another width than the layout's, or slots not a whole number of
+            pages.
+    """
+    if buf.dtype != layout.dtype and buf.dtype.itemsize == layout.dtype.itemsize == 1:
+        buf = buf.view(layout.dtype)
+    width = buf.shape[-1]
+    if width != layout.width:
+        unit = "bytes" if layout.dtype.itemsize == 1 else "values"
+        raise ValueError(
+            f"{engine}: {layout.kind} cache rows of {width} {unit}, the core's layout needs "
+            f"{layout.width} (r {layout.kv_lora_rank}, rope {layout.rope} in "
+            f"{layout.rope_dtype})"
+        )
+    slots = math.prod(buf.shape[:-1])
+    if slots % page_size:
+        raise ValueError(f"{engine}: pool size {slots} is not a multiple of page size {page_size}")
+    return buf.view(slots // page_size, page_size, width)
 
 
 def parse_version(version: str) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ from .batch import MLABatch, Phase
 from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .merge import merge_attention_states
-from .plan import MLAPlan, PlanPart, WorkPartition, plan
+from .parts import PlanPart, WorkPartition
+from .plan import MLAPlan, plan
 from .policy import PathChoice, Policy
 from .weights import (
     AbsorbWeights,

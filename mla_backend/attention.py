@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache_layout import CacheLayout
 from .checks import check_cache, check_step
 from .dims import MLADims
 from .normal import DEFAULT_CHUNK_TOKENS, normal_attention_part
@@ -37,7 +38,7 @@ def write_latent(
         impl: kernel implementation override (default: the device's, see
             :func:`mla_backend.ops.get_impl`).
     """
-    check_cache(kv_cache, c_kv.shape[-1], k_pe.shape[-1], kv_scale, c_kv.dtype)
+    layout = check_cache(kv_cache, c_kv.shape[-1], k_pe.shape[-1], kv_scale, c_kv.dtype)
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping dtype {slot_mapping.dtype} is not supported; use int32/64")
     if c_kv.dim() != 2 or k_pe.dim() != 2:
@@ -49,7 +50,9 @@ def write_latent(
             f"c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)} and slot_mapping "
             f"{tuple(slot_mapping.shape)} disagree on the number of tokens"
         )
-    get_impl(kv_cache.device, impl).write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
+    get_impl(kv_cache.device, impl).write_latent(
+        kv_cache, layout, c_kv, k_pe, slot_mapping, kv_scale
+    )
 
 
 def absorbed_attention(
@@ -73,14 +76,14 @@ def absorbed_attention(
     Returns:
         (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32, natural log).
     """
-    check_step(q_lat, q_pe, kv_cache, plan, q_lat.shape[-1] + q_pe.shape[-1], kv_scale)
+    layout = check_step(q_lat, q_pe, kv_cache, plan, q_lat.shape[-1] + q_pe.shape[-1], kv_scale)
     if q_lat.shape[-1] != plan.dims.kv_lora_rank:
         raise ValueError(
             f"q_lat width {q_lat.shape[-1]} != kv_lora_rank {plan.dims.kv_lora_rank}"
         )
     with torch.no_grad():
         return plan.impl.absorbed_attention(
-            q_lat, q_pe, kv_cache, plan.step, softmax_scale, kv_scale
+            q_lat, q_pe, kv_cache, layout, plan.step, softmax_scale, kv_scale
         )
 
 
@@ -92,9 +95,10 @@ def _check_normal(
     weights: AbsorbWeights,
     kv_scale: torch.Tensor | None,
     chunk_tokens: int,
-) -> None:
+) -> CacheLayout:
+    """Validate a normal-path or layer call; returns the cache's layout."""
     H, nope, r = weights.W_UK.shape
-    check_step(q_nope, q_pe, kv_cache, plan, r + q_pe.shape[-1], kv_scale)
+    layout = check_step(q_nope, q_pe, kv_cache, plan, r + q_pe.shape[-1], kv_scale)
     if q_nope.shape[1:] != (H, nope):
         raise ValueError(
             f"q_nope shape {tuple(q_nope.shape)} does not match the weights' [T, H={H}, "
@@ -102,6 +106,7 @@ def _check_normal(
         )
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r} must be an int >= 1")
+    return layout
 
 
 def normal_attention(
@@ -128,10 +133,10 @@ def normal_attention(
     Returns:
         (o [T, H, v] in q_nope's dtype, lse [T, H] float32).
     """
-    _check_normal(q_nope, q_pe, kv_cache, plan, weights, kv_scale, chunk_tokens)
+    layout = _check_normal(q_nope, q_pe, kv_cache, plan, weights, kv_scale, chunk_tokens)
     with torch.no_grad():
         return normal_attention_part(
-            q_nope, q_pe, kv_cache, plan.step, weights, softmax_scale, kv_scale,
+            q_nope, q_pe, kv_cache, layout, plan.step, weights, softmax_scale, kv_scale,
             chunk_tokens, plan.impl, new_c_kv, new_k_pe,
         )
 
@@ -190,17 +195,20 @@ class MLAAttention:
         """q_nope [T, H, nope], q_pe [T, H, rope] -> o [T, H, v] in q_nope's dtype.
 
         Inference only: runs without autograd."""
-        _check_normal(q_nope, q_pe, kv_cache, plan, self.weights, kv_scale, self.chunk_tokens)
+        layout = _check_normal(
+            q_nope, q_pe, kv_cache, plan, self.weights, kv_scale, self.chunk_tokens
+        )
+        cache = (kv_cache, layout)
         with torch.no_grad():
             mode = plan.mode
             if mode == "absorbed":
-                return self._absorbed(q_nope, q_pe, kv_cache, plan, plan.step, kv_scale)
+                return self._absorbed(q_nope, q_pe, cache, plan, plan.step, kv_scale)
             if mode == "normal":
-                return self._normal(q_nope, q_pe, kv_cache, plan, plan.step, kv_scale)
+                return self._normal(q_nope, q_pe, cache, plan, plan.step, kv_scale)
             out = q_nope.new_empty(q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim)
             for part, fn in ((plan.absorbed, self._absorbed), (plan.normal, self._normal)):
                 rows = part.rows
-                o = fn(q_nope[rows], q_pe[rows], kv_cache, plan, part, kv_scale)
+                o = fn(q_nope[rows], q_pe[rows], cache, plan, part, kv_scale)
                 out.index_copy_(0, rows, o)
             return out
 
@@ -210,20 +218,21 @@ class MLAAttention:
             w = self._prepared[impl.name] = impl.prepare_weights(self.weights)
         return w
 
-    def _absorbed(self, q_nope, q_pe, kv_cache, plan, part, kv_scale) -> torch.Tensor:
-        """``W_UV · attn([q_nope·W_UK ; q_pe], [c_kv ; k_pe])`` -> [T, H, v]."""
+    def _absorbed(self, q_nope, q_pe, cache, plan, part, kv_scale) -> torch.Tensor:
+        """``W_UV · attn([q_nope·W_UK ; q_pe], [c_kv ; k_pe])`` -> [T, H, v]
+        (``cache``: the cache tensor and its layout)."""
         impl = plan.impl
         w = self._weights_for(impl)
         q_lat = impl.absorb_q(q_nope, w)
         o_lat, _ = impl.absorbed_attention(
-            q_lat, q_pe, kv_cache, part, self.softmax_scale, kv_scale
+            q_lat, q_pe, *cache, part, self.softmax_scale, kv_scale
         )
         return impl.apply_W_UV(o_lat, w)
 
-    def _normal(self, q_nope, q_pe, kv_cache, plan, part, kv_scale) -> torch.Tensor:
+    def _normal(self, q_nope, q_pe, cache, plan, part, kv_scale) -> torch.Tensor:
         """Decompress + causal MHA -> [T, H, v]."""
         o, _ = normal_attention_part(
-            q_nope, q_pe, kv_cache, part, self.weights, self.softmax_scale, kv_scale,
+            q_nope, q_pe, *cache, part, self.weights, self.softmax_scale, kv_scale,
             self.chunk_tokens, plan.impl,
         )
         return o

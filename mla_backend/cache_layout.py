@@ -20,6 +20,15 @@
 
 A uint8 cache is read as ``fp8_ds_mla``; the compute dtype (queries at read, ``k_pe`` at write)
 gives the rope part's dtype.
+
+The layout is resolved once per call, at the public entry points (:meth:`CacheLayout.of`, from
+the cache tensor; the engine adapters name theirs with :meth:`CacheLayout.named`), and handed to
+the kernel implementation, which never looks at dtypes or names again: its decisions read the
+layout's properties (``tile_scaled``, ``per_tensor_scale``) and the torch reference path its
+:meth:`~CacheLayout.encode` / :meth:`~CacheLayout.decode`.
+
+A new layout: a ``kind`` here (its row's width, :meth:`of` / :meth:`named`, ``encode`` /
+``decode``), then its reader and writer in each implementation that reads it in place.
 """
 
 from __future__ import annotations
@@ -34,6 +43,24 @@ from .fp8 import FP8_DTYPE, FP8_MAX
 FP8_TILE = 128
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: kinds, by the cache tensor's dtype (anything else plain)
+_KIND_OF_DTYPE = {torch.uint8: "fp8_ds_mla", FP8_DTYPE: "fp8"}
+#: every cache tensor dtype a layout reads, and how errors name them
+CACHE_DTYPES = PLAIN_DTYPES + tuple(_KIND_OF_DTYPE)
+CACHE_DTYPES_TEXT = (
+    "bfloat16, float16, float32, float8_e4m3fn (per-tensor scale), uint8 (fp8_ds_mla)"
+)
+#: engine names of cache dtypes (vLLM's ``--kv-cache-dtype``) -> kind; "auto" and the plain
+#: dtype names are plain in the model's dtype
+ENGINE_NAMES = {
+    "auto": "plain",
+    "bfloat16": "plain",
+    "float16": "plain",
+    "fp8": "fp8",
+    "fp8_e4m3": "fp8",
+    "fp8_ds_mla": "fp8_ds_mla",
+}
+_PLAIN_NAME_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -57,15 +84,59 @@ class CacheLayout:
     def of(
         cls, kv_cache: torch.Tensor, r: int, rope: int, compute_dtype: torch.dtype
     ) -> CacheLayout:
-        """The layout of a cache tensor [pages, page_size, width] for these dims."""
-        if kv_cache.dtype == torch.uint8:
-            return cls("fp8_ds_mla", r, rope, torch.uint8, compute_dtype)
-        kind = "fp8" if kv_cache.dtype == FP8_DTYPE else "plain"
-        return cls(kind, r, rope, kv_cache.dtype, kv_cache.dtype)
+        """The layout of a cache tensor [pages, page_size, width] for these dims (``fp8_ds_mla``
+        keeps k_pe in ``compute_dtype``)."""
+        return cls.for_dtype(kv_cache.dtype, r, rope, compute_dtype)
+
+    @classmethod
+    def for_dtype(
+        cls, dtype: torch.dtype, r: int, rope: int, compute_dtype: torch.dtype
+    ) -> CacheLayout:
+        """The layout of a cache of ``dtype`` (uint8: ``fp8_ds_mla``, k_pe in
+        ``compute_dtype``)."""
+        kind = _KIND_OF_DTYPE.get(dtype, "plain")
+        if kind == "fp8_ds_mla":
+            return cls.ds_mla(r, rope, compute_dtype)
+        return cls(kind, r, rope, dtype, dtype)
+
+    @classmethod
+    def named(cls, name: str, r: int, rope: int, model_dtype: torch.dtype) -> CacheLayout:
+        """The layout an engine names (vLLM's ``--kv-cache-dtype``: :data:`ENGINE_NAMES`) for
+        these dims and model dtype."""
+        kind = ENGINE_NAMES.get(name)
+        if kind is None:
+            raise ValueError(
+                f"kv cache dtype {name!r} is not supported; supported: {', '.join(ENGINE_NAMES)}"
+            )
+        if kind == "fp8_ds_mla":
+            return cls.ds_mla(r, rope, model_dtype)
+        dtype = FP8_DTYPE if kind == "fp8" else _PLAIN_NAME_DTYPES.get(name, model_dtype)
+        return cls(kind, r, rope, dtype, dtype)
 
     @classmethod
     def ds_mla(cls, r: int, rope: int, compute_dtype: torch.dtype) -> CacheLayout:
         return cls("fp8_ds_mla", r, rope, torch.uint8, compute_dtype)
+
+    @staticmethod
+    def name_is_tile_scaled(name: str) -> bool:
+        """Whether an engine's cache dtype name (:data:`ENGINE_NAMES`) is a tile-scaled layout
+        (its rows' size then depends on the dims and model dtype: :attr:`bytes_per_token`)."""
+        return ENGINE_NAMES.get(name) == "fp8_ds_mla"
+
+    @property
+    def tile_scaled(self) -> bool:
+        """Rows carry their own per-tile scales (``fp8_ds_mla``): no ``kv_scale``."""
+        return self.kind == "fp8_ds_mla"
+
+    @property
+    def per_tensor_scale(self) -> bool:
+        """Stored values times one per-tensor ``kv_scale`` (``fp8``)."""
+        return self.kind == "fp8"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype rows are copied as (1-byte kinds as raw bytes)."""
+        return torch.uint8 if self.dtype.itemsize == 1 else self.dtype
 
     @property
     def tiles(self) -> int:
@@ -91,6 +162,32 @@ class CacheLayout:
     @property
     def bytes_per_token(self) -> int:
         return self.width * self.dtype.itemsize
+
+    def encode(
+        self, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Rows of T tokens as stored, viewed as :attr:`storage_dtype`: c_kv [T, r], k_pe
+        [T, rope] -> [T, width] (the torch reference writer; fp8 stores ``value / kv_scale``
+        saturated to +-448)."""
+        if self.tile_scaled:
+            return self.pack(c_kv, k_pe)
+        row = torch.cat([c_kv, k_pe], dim=-1) if k_pe.shape[-1] else c_kv
+        if not self.per_tensor_scale:
+            return row.to(self.dtype)
+        if kv_scale is not None:
+            row = row.float() / kv_scale.float()
+        return row.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+
+    def decode(
+        self, rows: torch.Tensor, dtype: torch.dtype, kv_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Rows as stored [L, width] -> [L, r + rope] in ``dtype``: tiles times their own
+        scales (``fp8_ds_mla``), values times ``kv_scale`` (a tensor: never read on the host)."""
+        if self.tile_scaled:
+            return self.unpack(rows, dtype)
+        if kv_scale is None:
+            return rows if rows.dtype == dtype else rows.to(dtype)
+        return (rows.float() * kv_scale.float()).to(dtype)
 
     def pack(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """``fp8_ds_mla`` rows of T tokens: c_kv [T, r], k_pe [T, rope] -> uint8 [T, width]."""

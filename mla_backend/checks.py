@@ -1,6 +1,7 @@
 """Validation of the public entry points' inputs: each call's query, cache and plan against each
 other, with errors that name the offending value and what is supported. Checks read shapes,
-dtypes and the plan's host data only, never tensor contents."""
+dtypes and the plan's host data only, never tensor contents. The one place a call's cache
+layout is resolved (:func:`check_cache` returns it for the implementation)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache_layout import CacheLayout
-from .fp8 import FP8_DTYPE
+from .cache_layout import CACHE_DTYPES, CACHE_DTYPES_TEXT, PLAIN_DTYPES, CacheLayout
 
 if TYPE_CHECKING:
     from .plan import MLAPlan
 
-QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE, torch.uint8)
+QUERY_DTYPES = PLAIN_DTYPES
 
 
 def check_cache(
@@ -24,29 +23,27 @@ def check_cache(
     rope: int,
     kv_scale: torch.Tensor | None,
     compute_dtype: torch.dtype,
-) -> None:
-    """Validate a paged latent cache [num_pages, page_size, width] (its layout:
-    :mod:`mla_backend.cache_layout`)."""
+) -> CacheLayout:
+    """Validate a paged latent cache [num_pages, page_size, width] and return its layout
+    (:mod:`mla_backend.cache_layout`)."""
     if kv_cache.dtype not in CACHE_DTYPES:
         raise ValueError(
-            f"kv_cache dtype {kv_cache.dtype} is not supported; supported: "
-            "bfloat16, float16, float32, float8_e4m3fn (per-tensor scale), uint8 (fp8_ds_mla)"
+            f"kv_cache dtype {kv_cache.dtype} is not supported; supported: {CACHE_DTYPES_TEXT}"
         )
     layout = CacheLayout.of(kv_cache, r, rope, compute_dtype)
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != layout.width:
         what = (
             f"{layout.width} bytes (fp8_ds_mla rows for r={r}, rope={rope} in {compute_dtype})"
-            if layout.kind == "fp8_ds_mla"
+            if layout.tile_scaled
             else f"{layout.width} (kv_lora_rank + qk_rope_head_dim)"
         )
         raise ValueError(
             f"kv_cache shape {tuple(kv_cache.shape)} is not supported: expected "
             f"[num_pages, page_size, {layout.width}]: {what}"
         )
-    if layout.kind == "fp8_ds_mla" and compute_dtype not in (torch.bfloat16, torch.float16,
-                                                            torch.float32):
+    if layout.tile_scaled and compute_dtype not in QUERY_DTYPES:
         raise ValueError(f"fp8_ds_mla keeps k_pe in the compute dtype, not {compute_dtype}")
-    if kv_scale is not None and layout.kind != "fp8":
+    if kv_scale is not None and not layout.per_tensor_scale:
         raise ValueError(
             f"kv_scale is only meaningful for a per-tensor fp8 cache, not {layout.kind} "
             f"({kv_cache.dtype})"
@@ -56,6 +53,7 @@ def check_cache(
             f"kv_scale of shape {tuple(kv_scale.shape)} is not supported: the fp8 latent cache "
             "takes one per-tensor scale (use the fp8_ds_mla layout for per-token tile scales)"
         )
+    return layout
 
 
 def check_step(
@@ -65,8 +63,9 @@ def check_step(
     plan: MLAPlan,
     latent_dim: int,
     kv_scale: torch.Tensor | None,
-) -> None:
-    """Validate one attention call's query, cache and plan against each other."""
+) -> CacheLayout:
+    """Validate one attention call's query, cache and plan against each other; returns the
+    cache's layout."""
     from .plan import MLAPlan
 
     if not isinstance(plan, MLAPlan):
@@ -96,7 +95,9 @@ def check_step(
         raise ValueError(
             f"q_pe width {q_pe.shape[-1]} != qk_rope_head_dim {plan.dims.qk_rope_head_dim}"
         )
-    check_cache(kv_cache, latent_dim - q_pe.shape[-1], q_pe.shape[-1], kv_scale, q_a.dtype)
+    layout = check_cache(
+        kv_cache, latent_dim - q_pe.shape[-1], q_pe.shape[-1], kv_scale, q_a.dtype
+    )
     if kv_cache.shape[1] != plan.page_size:
         raise ValueError(
             f"kv_cache page size {kv_cache.shape[1]} != the plan's page_size {plan.page_size}"
@@ -111,6 +112,7 @@ def check_step(
             f"queries on {q_a.device} and cache on {kv_cache.device}, but the plan was made "
             f"for {plan.device}"
         )
+    return layout
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -16,8 +16,9 @@ from .merge import merge_attention_states
 from .weights import AbsorbWeights
 
 if TYPE_CHECKING:
+    from .cache_layout import CacheLayout
     from .ops import KernelImpl
-    from .plan import PlanPart
+    from .parts import PlanPart
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -57,6 +58,7 @@ def normal_attention_part(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     kv_cache: torch.Tensor,
+    layout: CacheLayout,
     part: PlanPart,
     weights: AbsorbWeights,
     softmax_scale: float,
@@ -72,7 +74,8 @@ def normal_attention_part(
     Args:
         q_nope: [T, H, nope]; q_pe: [T, H, rope] (T == part.num_tokens).
         kv_cache: [num_pages, page_size, r + rope] holding every request's prefix (and the
-            new tokens too, unless ``new_c_kv`` / ``new_k_pe`` [T, r] / [T, rope] are given).
+            new tokens too, unless ``new_c_kv`` / ``new_k_pe`` [T, r] / [T, rope] are given);
+            ``layout``: its layout, resolved by the caller.
         chunk_tokens: prefix tokens decompressed at a time.
         impl: the plan's kernel implementation (cache reads and attention).
     Returns:
@@ -93,13 +96,13 @@ def normal_attention_part(
         if new_c_kv is not None and new_k_pe is not None:
             latent = torch.cat([new_c_kv[t0 : t0 + n], new_k_pe[t0 : t0 + n]], -1).to(cd)
         else:
-            latent = impl.gather_latent(kv_cache, part, i, P, P + n, cd, kv_scale)
+            latent = impl.gather_latent(kv_cache, layout, part, i, P, P + n, cd, kv_scale)
         k, v = decompress(latent, weights, cd)
         o, lse = impl.attention_with_lse(q, k, v, True, softmax_scale)
         o, lse = o.transpose(0, 1).float(), lse.transpose(0, 1)  # [n, H, v], [n, H]
         for s in range(0, P, chunk_tokens):
             e = min(P, s + chunk_tokens)
-            latent = impl.gather_latent(kv_cache, part, i, s, e, cd, kv_scale)
+            latent = impl.gather_latent(kv_cache, layout, part, i, s, e, cd, kv_scale)
             k, v = decompress(latent, weights, cd)
             o_c, lse_c = impl.attention_with_lse(q, k, v, False, softmax_scale)
             o, lse = merge_attention_states(o, lse, o_c.transpose(0, 1), lse_c.transpose(0, 1))

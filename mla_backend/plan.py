@@ -25,91 +25,8 @@ import torch
 from .batch import MLABatch, Phase
 from .dims import MLADims
 from .ops import KernelImpl, get_impl
+from .parts import PlanPart, WorkPartition
 from .policy import PathChoice, Policy
-
-
-@dataclass(frozen=True)
-class WorkPartition:
-    """How a kernel call is cut into independent programs: query blocks x KV splits.
-
-    Attributes:
-        block_q: new tokens of one request per query block.
-        q_block_req: [W] int32, the request (index within the part) of each query block.
-        q_block_start: [W] int32, its first new token (0-based within the request).
-        num_kv_splits: KV splits per query block (their partial results are merged by LSE);
-            for an implementation with a ``schedule``, its programs along the split axis.
-        schedule: the implementation's own plan-time state, or () when it has none; made by
-            its optional ``work_schedule(dims, new_lens, kv_lens, block_q, num_kv_splits,
-            device, *, block_table, page_size)`` method. Each item has ``copy_(other)``
-            (device tensors whose shapes depend only on the query blocks and
-            ``num_kv_splits``, or an object that re-plans itself), so a refreshed plan
-            rewrites them in place.
-    """
-
-    block_q: int
-    q_block_req: torch.Tensor
-    q_block_start: torch.Tensor
-    num_kv_splits: int
-    schedule: tuple[Any, ...] = ()
-
-
-@dataclass(frozen=True, eq=False)
-class PlanPart:
-    """The requests of one step that one kernel call serves: the whole step, or the share of
-    one path in a step the policy splits. Query rows are packed in request order.
-
-    Host data (python ints; sizes outputs and drives the torch path's loops):
-        dims: the step's MLA dims.
-        reqs: indices of the part's requests in the step.
-        prefix_lens: per request, tokens cached before this step.
-        new_lens: per request, query tokens in this step.
-        cu_new: [n + 1] prefix sums of ``new_lens``: request i owns rows cu_new[i]:cu_new[i+1]
-            of the part's query tensors.
-        pages: per request, the physical ids of the pages it uses (from the host block
-            table), or None when the engine gave no host copy of the block table.
-    Device data (int32, on the plan's device):
-        rows: [num_tokens] int64 rows of the step's packed queries that belong to this part,
-            or None when the part is the whole step (all rows, in order).
-        block_table: [n, max_pages] physical page of each logical page (the engine's width:
-            a fixed capacity, so a refreshed plan keeps its addresses).
-        kv_lens_t: [n] prefix + new tokens.
-        prefix_lens_t / new_lens_t: [n]; cu_new_t: [n + 1].
-        work: the kernels' work partition.
-    """
-
-    dims: MLADims
-    reqs: tuple[int, ...]
-    prefix_lens: tuple[int, ...]
-    new_lens: tuple[int, ...]
-    cu_new: tuple[int, ...]
-    pages: tuple[tuple[int, ...], ...] | None
-    rows: torch.Tensor | None
-    block_table: torch.Tensor
-    kv_lens_t: torch.Tensor
-    prefix_lens_t: torch.Tensor
-    new_lens_t: torch.Tensor
-    cu_new_t: torch.Tensor
-    work: WorkPartition
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.reqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.cu_new[-1]
-
-    @property
-    def kv_lens(self) -> tuple[int, ...]:
-        return tuple(p + n for p, n in zip(self.prefix_lens, self.new_lens, strict=True))
-
-    @property
-    def max_kv_len(self) -> int:
-        return max(self.kv_lens, default=0)
-
-    @property
-    def max_new_len(self) -> int:
-        return max(self.new_lens, default=0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,6 +112,7 @@ class MLAPlan:
                 dst.copy_(src)
             object.__setattr__(old, "prefix_lens", new.prefix_lens)
             object.__setattr__(old, "pages", new.pages)
+            object.__setattr__(old, "max_page_id", new.max_page_id)
         object.__setattr__(self, "max_page_id", fresh.max_page_id)
 
 
@@ -233,6 +151,19 @@ def _schedule(
     )
 
 
+def _max_page_id(pages: tuple[tuple[int, ...], ...] | None) -> int:
+    """The largest page id of the host pages (-1 if unknown or none); a negative id for a
+    used page is an error."""
+    used = [p for req in pages or () for p in req]
+    if not used:
+        return -1
+    if min(used) < 0:
+        raise ValueError(
+            f"block_table holds page id {min(used)} for a used page; page ids are >= 0"
+        )
+    return max(used)
+
+
 def _part(
     batch: MLABatch,
     reqs: Sequence[int],
@@ -258,6 +189,7 @@ def _part(
     if not whole:
         idx = [t for i in reqs for t in range(batch.cu_new[i], batch.cu_new[i + 1])]
         rows = torch.tensor(idx, dtype=torch.long, device=device)
+    pages = _host_pages(batch.host_block_table(), reqs, kv, ps)
     block_q, splits = impl.work_shape(dims, new, kv, device)
     q_req = [i for i, n in enumerate(new) for _ in range(0, n, block_q)]
     q_start = [q0 for n in new for q0 in range(0, n, block_q)]
@@ -271,7 +203,8 @@ def _part(
         prefix_lens=prefix,
         new_lens=new,
         cu_new=tuple(cu),
-        pages=_host_pages(batch.host_block_table(), reqs, kv, ps),
+        pages=pages,
+        max_page_id=_max_page_id(pages),
         rows=rows,
         block_table=table,
         kv_lens_t=_int32(kv, device),
@@ -313,7 +246,7 @@ def plan(
     dev = torch.device(device) if device is not None else batch.block_table.device
     kernels = get_impl(dev, impl)
     policy = policy if policy is not None else Policy.from_env()
-    return _build(batch, dims, policy.choose(batch, dims, dev.type, kernels.name), kernels, dev)
+    return _build(batch, dims, policy.choose(batch, dims, kernels.cost_profile(dev)), kernels, dev)
 
 
 def _build(
@@ -332,15 +265,6 @@ def _build(
         n = [i for i in all_reqs if not choice.use_absorbed[i]]
         absorbed = _part(batch, a, False, dims, kernels, dev)
         normal = _part(batch, n, False, dims, kernels, dev)
-    max_page = -1
-    if step.pages is not None:
-        used = [p for req in step.pages for p in req]
-        if used:
-            if min(used) < 0:
-                raise ValueError(
-                    f"block_table holds page id {min(used)} for a used page; page ids are >= 0"
-                )
-            max_page = max(used)
     return MLAPlan(
         dims=dims,
         page_size=batch.page_size,
@@ -351,5 +275,5 @@ def _build(
         step=step,
         absorbed=absorbed,
         normal=normal,
-        max_page_id=max_page,
+        max_page_id=step.max_page_id,
     )

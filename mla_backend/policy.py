@@ -24,66 +24,17 @@ import os
 from dataclasses import dataclass
 
 from .batch import MLABatch, Phase
+from .cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile, absorbed_cost, normal_cost
 from .dims import MLADims
 
 logger = logging.getLogger("mla_backend.policy")
 
-MODES = ("cost", "sglang", "absorb", "normal")
+__all__ = [
+    "CPU_PROFILE", "GPU_PROFILE", "MODES", "DeviceProfile", "PathChoice", "Policy",
+    "absorbed_cost", "normal_cost",
+]
 ENV_VAR = "MLA_BACKEND_POLICY"
 THRESHOLD_ENV_VAR = "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD"
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Roofline of a device for the cost model.
-
-    Attributes:
-        peak_flops: matmul FLOP/s in the compute dtype.
-        bandwidth: read bandwidth from memory (bytes/s).
-        absorbed_efficiency: fraction of peak the absorbed attention reaches.
-        attn_efficiency: fraction of peak the normal path's fused MHA kernel reaches.
-        cache_bytes: decompressed K/V up to this size stays in cache (no memory traffic).
-        normal_overhead: fixed seconds per request of the normal path (its per-request
-            decompression and attention calls), in the model's time units.
-    """
-
-    peak_flops: float
-    bandwidth: float
-    absorbed_efficiency: float = 1.0
-    attn_efficiency: float = 1.0
-    cache_bytes: float = 0.0
-    normal_overhead: float = 0.0
-
-
-# Measured on the project's CPU machines (2 threads, bf16 AMX; the efficiencies fitted to
-# benchmarks/mla_policy_bench.py, whose 36 extend shapes they all pick right).
-CPU_PROFILE = DeviceProfile(
-    peak_flops=0.6e12,
-    bandwidth=7.8e9,
-    absorbed_efficiency=0.7,
-    attn_efficiency=0.3,
-    cache_bytes=32 * 2**20,
-)
-# The same CPUs with the native C++ kernels (mla_backend/ops/native): the absorbed attention
-# and, for bf16, the normal path's MHA run near the machine's peak, the normal path paying a
-# fixed per-request cost (fitted to benchmarks/mla_policy_bench.py, see
-# benchmarks/results/mla_policy-latest.md: fresh prefills of >= ~128-192 tokens go normal).
-CPU_NATIVE_PROFILE = DeviceProfile(
-    peak_flops=0.6e12,
-    bandwidth=7.8e9,
-    absorbed_efficiency=2.0,
-    attn_efficiency=1.0,
-    cache_bytes=32 * 2**20,
-    normal_overhead=0.6e-3,
-)
-# H800-class GPU (FlashMLA's published figures); unmeasured by us.
-GPU_PROFILE = DeviceProfile(
-    peak_flops=660e12,
-    bandwidth=3.0e12,
-    absorbed_efficiency=0.6,
-    attn_efficiency=0.6,
-    cache_bytes=32 * 2**20,
-)
 
 
 @dataclass(frozen=True)
@@ -101,53 +52,32 @@ class PathChoice:
         return "mixed"
 
 
-def _phase(flops: float, nbytes: float, profile: DeviceProfile, efficiency: float = 1.0) -> float:
-    """Roofline time of one phase: compute and memory traffic overlap within a phase."""
-    return max(flops / (profile.peak_flops * efficiency), nbytes / profile.bandwidth)
+@dataclass(frozen=True)
+class _Mode:
+    """One policy mode: how it decides (``per_batch``: one answer for the whole batch, SGLang's
+    ``no_absorb()``; else per request) and, for a fixed mode, the path it always takes."""
+
+    per_batch: bool = False
+    always_absorbed: bool | None = None
 
 
-def absorbed_cost(
-    dims: MLADims, prefix: int, new: int, profile: DeviceProfile, elt: int = 2
-) -> float:
-    """Roofline seconds of the absorbed path for one request (P cached, N new tokens):
-    the two absorption bmms (reading ``W_UK``/``W_UV``), then MQA over the latent, which is
-    read once for all heads."""
-    H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
-    w = H * r * (dims.qk_nope_head_dim + dims.v_head_dim)
-    kv_avg = prefix + (new + 1) / 2  # causal among the new tokens
-    bmm = _phase(2 * new * w, w * elt, profile)
-    attn = _phase(
-        2 * new * kv_avg * H * (2 * r + rope),
-        (prefix + new) * (r + rope) * elt,
-        profile,
-        profile.absorbed_efficiency,
-    )
-    return bmm + attn
-
-
-def normal_cost(
-    dims: MLADims, prefix: int, new: int, profile: DeviceProfile, elt: int = 2
-) -> float:
-    """Roofline seconds of the normal path for one request: decompress all P + N latents
-    (reading ``kv_b_proj``; the per-head K/V it writes costs memory traffic once it outgrows
-    the cache), then MHA over the decompressed K/V."""
-    H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
-    nope, v = dims.qk_nope_head_dim, dims.v_head_dim
-    w = H * r * (nope + v)
-    kv = prefix + new
-    kv_avg = prefix + (new + 1) / 2
-    kv_bytes = kv * H * (nope + rope + v) * elt
-    kv_traffic = kv_bytes if kv_bytes > profile.cache_bytes else 0.0
-    decompress = _phase(2 * kv * w, w * elt + kv * (r + rope) * elt + kv_traffic, profile)
-    attn = _phase(
-        2 * new * kv_avg * H * (nope + rope + v), kv_traffic, profile, profile.attn_efficiency
-    )
-    return decompress + attn + profile.normal_overhead
+#: the modes, in one table
+_MODES: dict[str, _Mode] = {
+    "cost": _Mode(),
+    "sglang": _Mode(per_batch=True),
+    "absorb": _Mode(always_absorbed=True),
+    "normal": _Mode(always_absorbed=False),
+}
+MODES = tuple(_MODES)
 
 
 class Policy:
     """Chooses absorbed vs normal per request (``choose``) or per batch
-    (``batch_uses_normal``, SGLang's ``no_absorb()`` question)."""
+    (``batch_uses_normal``, SGLang's ``no_absorb()`` question).
+
+    The ``cost`` mode prices both paths on a :class:`DeviceProfile`: the policy's own
+    ``profile`` when given, else the one the caller passes (the plan passes its kernel
+    implementation's ``cost_profile(device)``), else :data:`CPU_PROFILE`."""
 
     def __init__(
         self,
@@ -155,12 +85,8 @@ class Policy:
         chunked_prefix_threshold: int = 8192,
         profile: DeviceProfile | None = None,
     ) -> None:
-        if not isinstance(mode, str) or mode.strip().lower() not in MODES:
-            raise ValueError(
-                f"MLA policy mode {mode!r} is not supported; supported: {', '.join(MODES)}"
-            )
-        mode = mode.strip().lower()
-        if mode not in MODES:
+        key = mode.strip().lower() if isinstance(mode, str) else None
+        if key not in _MODES:
             raise ValueError(
                 f"MLA policy mode {mode!r} is not supported; supported: {', '.join(MODES)}"
             )
@@ -172,7 +98,8 @@ class Policy:
             )
         if chunked_prefix_threshold < 0:
             raise ValueError(f"chunked_prefix_threshold={chunked_prefix_threshold} must be >= 0")
-        self.mode = mode
+        self.mode = key
+        self._mode = _MODES[key]
         self.chunked_prefix_threshold = chunked_prefix_threshold
         self.profile = profile
 
@@ -192,13 +119,9 @@ class Policy:
             f"Policy(mode={self.mode!r}, chunked_prefix_threshold={self.chunked_prefix_threshold})"
         )
 
-    def _profile(self, device_type: str, impl: str) -> DeviceProfile:
-        """The policy's own profile, else the measured one of the device and kernels."""
-        if self.profile is not None:
-            return self.profile
-        if device_type != "cpu":
-            return GPU_PROFILE
-        return CPU_NATIVE_PROFILE if impl == "native" else CPU_PROFILE
+    def _profile(self, profile: DeviceProfile | None) -> DeviceProfile:
+        """The policy's own profile, else the caller's (the implementation's), else the CPU's."""
+        return self.profile or profile or CPU_PROFILE
 
     def request_uses_absorbed(
         self,
@@ -206,57 +129,50 @@ class Policy:
         prefix: int,
         new: int,
         phase: Phase,
-        device_type: str = "cpu",
-        impl: str = "torch",
+        profile: DeviceProfile | None = None,
     ) -> bool:
-        """Per-request decision for ``cost``/``absorb``/``normal`` modes."""
-        if self.mode == "absorb":
-            return True
-        if self.mode == "normal":
-            return False
+        """Per-request decision (``sglang`` mode decides per batch: :meth:`batch_uses_normal`).
+        Decode tokens and speculative phases go absorbed unless the mode fixes the path."""
+        if self._mode.always_absorbed is not None:
+            return self._mode.always_absorbed
         if new <= 1 or phase.speculative:
             return True
-        prof = self._profile(device_type, impl)
+        prof = self._profile(profile)
         return absorbed_cost(dims, prefix, new, prof) <= normal_cost(dims, prefix, new, prof)
 
     def batch_uses_normal(
-        self, batch: MLABatch, dims: MLADims, device_type: str = "cpu", impl: str = "torch"
+        self, batch: MLABatch, dims: MLADims, profile: DeviceProfile | None = None
     ) -> bool:
         """The per-batch ``no_absorb()`` answer: True if the whole batch should go normal."""
         if batch.num_reqs == 0 or batch.phase is Phase.IDLE:
             return False
-        if self.mode == "sglang":
+        if self._mode.always_absorbed is not None:
+            return not self._mode.always_absorbed
+        if self._mode.per_batch:  # SGLang's rule
             if batch.phase is not Phase.EXTEND:
                 return False
             total_prefix = sum(batch.prefix_lens)
             return total_prefix == 0 or total_prefix >= self.chunked_prefix_threshold
-        if self.mode in ("absorb", "normal"):
-            return self.mode == "normal"
         if batch.phase.speculative or batch.phase is Phase.DECODE:
             return False
-        prof = self._profile(device_type, impl)
-        a = sum(
-            absorbed_cost(dims, p, n, prof)
-            for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
-        )
-        m = sum(
-            normal_cost(dims, p, n, prof)
-            for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
-        )
+        prof = self._profile(profile)
+        lens = list(zip(batch.prefix_lens, batch.new_lens, strict=True))
+        a = sum(absorbed_cost(dims, p, n, prof) for p, n in lens)
+        m = sum(normal_cost(dims, p, n, prof) for p, n in lens)
         return m < a
 
     def choose(
-        self, batch: MLABatch, dims: MLADims, device_type: str = "cpu", impl: str = "torch"
+        self, batch: MLABatch, dims: MLADims, profile: DeviceProfile | None = None
     ) -> PathChoice:
-        """Per-request decision (``sglang`` mode decides for the whole batch). ``impl`` names
-        the kernel implementation (the plan's), whose measured profile prices the paths."""
-        if self.mode == "sglang":
-            normal = self.batch_uses_normal(batch, dims, device_type, impl)
+        """Per-request decision (``sglang`` mode decides for the whole batch). ``profile``: the
+        plan's kernel implementation's measured profile, which prices the paths."""
+        if self._mode.per_batch:
+            normal = self.batch_uses_normal(batch, dims, profile)
             choice = PathChoice([not normal] * batch.num_reqs)
         else:
             choice = PathChoice(
                 [
-                    self.request_uses_absorbed(dims, p, n, batch.phase, device_type, impl)
+                    self.request_uses_absorbed(dims, p, n, batch.phase, profile)
                     for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
                 ]
             )

@@ -176,6 +176,7 @@ def test_torch_decode_paths_match_oracle(
     lengths share one gather and bmm; padding columns of the block table hold garbage page ids
     on purpose) and through the fused flash decode path; LSE checked too."""
     from mla_backend.ops.torch import Kernels
+    from mla_backend.ops.torch.absorbed import decode_groups
 
     impl = Kernels(flash_max_heads=flash_max_heads)
     prefix = [40, 47, 33, 45, 300, 290, 0, 310]
@@ -186,7 +187,7 @@ def test_torch_decode_paths_match_oracle(
     for i, L in enumerate(case.batch.kv_lens):
         bt[i, -(-L // page_size) :] = 10**6  # out-of-range garbage beyond the request's pages
     plan = case.plan("absorb", impl=impl)
-    groups, rest = impl._decode_groups(plan.step, case.dims.num_heads)
+    groups, rest = decode_groups(plan.step, case.dims.num_heads, impl.tuning)
     assert sum(len(g) for g in groups) >= 6 and len(groups) >= 2
     attn = mb.MLAAttention(case.dims, case.weights)
     out = attn(case.q_nope, case.q_pe, case.kv_cache, plan, kv_scale=case.kv_scale)

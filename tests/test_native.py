@@ -374,7 +374,7 @@ def test_write_ds_mla_bitwise(src, r, rope):
     base = torch.randint(0, 256, (pages, ps, lay.width), generator=g, dtype=torch.uint8)
     mine, ref = base.clone(), base.clone()
     native.write_latent(mine, c, k, slots.to(torch.int32), None)
-    torch_ops.Kernels().write_latent(ref, c, k, slots, None)
+    torch_ops.Kernels().write_latent(ref, lay, c, k, slots, None)
     assert torch.equal(mine, ref)
     keep = slots >= 0  # and the writer's rows are CacheLayout.pack's
     assert torch.equal(mine.view(-1, lay.width)[slots[keep]], lay.pack(c, k)[keep])

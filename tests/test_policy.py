@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import mla_backend as mb
-from mla_backend.policy import CPU_NATIVE_PROFILE, CPU_PROFILE, absorbed_cost, normal_cost
+from mla_backend.ops.native import Kernels as NativeKernels
+from mla_backend.ops.native.profile import CPU_NATIVE_PROFILE
+from mla_backend.policy import CPU_PROFILE, absorbed_cost, normal_cost
 
 DEEPSEEK = mb.MLADims(128, 512, 128, 64, 128)
 LITE = mb.MLADims(16, 512, 128, 64, 128)
@@ -94,7 +96,8 @@ def test_native_profile_crossover(dims: mb.MLADims) -> None:
         assert switch_point(dims, prefix, CPU_NATIVE_PROFILE) >= fresh
     p = mb.Policy("cost")
     b = batch([0, 4000, 0, 4000], [1, 1, 2048, 16], mb.Phase.MIXED)
-    assert p.choose(b, dims, "cpu", "native").use_absorbed == [True, True, False, True]
+    profile = NativeKernels().cost_profile(torch.device("cpu"))
+    assert p.choose(b, dims, profile).use_absorbed == [True, True, False, True]
 
 
 def test_env_selects_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from mla_backend_integrations._common import pad_rows
+from mla_backend_integrations._common import engine_cache_view, pad_rows
 from mla_backend_integrations.sglang import BACKEND_NAME
 from mla_backend_integrations.sglang.batch import build_mla_batch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -115,26 +115,20 @@ class MLAAbsorbBackend(AttentionBackend):
                 f"KV pool {pool_cls} is not supported; mla_absorb reads SGLang's plain "
                 "MLATokenToKVPool (no DSA/NSA, FP4 or unified hybrid pools)"
             )
-        #: the core's fp8_ds_mla row when the pool stores DeepSeek's tile-scaled rows
-        self.ds_layout: CacheLayout | None = None
-        pool_dim = getattr(self.token_to_kv_pool, "kv_cache_dim", None)
+        #: the layers' cache layout, named once here from the pool (DeepSeek's tile-scaled
+        #: fp8 rows when it stores them, else its dtype) and read by every call
+        model_dtype = self.data_type if self.data_type in _MODEL_DTYPES else torch.bfloat16
+        r, rope = self.kv_lora_rank, self.qk_rope_head_dim
         if getattr(self.token_to_kv_pool, "dsa_kv_cache_store_fp8", False):
-            ds = CacheLayout.ds_mla(
-                self.kv_lora_rank,
-                self.qk_rope_head_dim,
-                self.data_type if self.data_type in _MODEL_DTYPES else torch.bfloat16,
-            )
-            if pool_dim != ds.width:
-                _fail(
-                    f"tile-scaled fp8 pool rows of {pool_dim} bytes; the core's fp8_ds_mla "
-                    f"row is {ds.width} bytes (r {self.kv_lora_rank}, rope "
-                    f"{self.qk_rope_head_dim} in the model dtype {ds.rope_dtype})"
-                )
-            self.ds_layout = ds
-        elif pool_dim != self.kv_lora_rank + self.qk_rope_head_dim:
+            self.layout = CacheLayout.ds_mla(r, rope, model_dtype)
+        else:
+            self.layout = CacheLayout.for_dtype(self.kv_cache_dtype, r, rope, model_dtype)
+        pool_dim = getattr(self.token_to_kv_pool, "kv_cache_dim", None)
+        if pool_dim != self.layout.width:
             _fail(
-                f"pool row width {pool_dim} != "
-                f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim}"
+                f"pool rows of {pool_dim}; the core's {self.layout.kind} layout needs "
+                f"{self.layout.width} (kv_lora_rank {r}, qk_rope_head_dim {rope}, k_pe in "
+                f"{self.layout.rope_dtype})"
             )
         translator = getattr(model_runner, "kv_index_translator", None)
         if translator is not None:
@@ -200,16 +194,16 @@ class MLAAbsorbBackend(AttentionBackend):
             self.init_forward_metadata(forward_batch)
         return self.forward_metadata.plan
 
+    @property
+    def ds_layout(self) -> CacheLayout | None:
+        """The layout when the pool stores ``fp8_ds_mla`` rows, else None."""
+        return self.layout if self.layout.tile_scaled else None
+
     def paged_cache(self, layer_id: int) -> torch.Tensor:
-        """The pool's buffer of ``layer_id`` as the core's [num_pages, page_size, r+rope]
-        (``fp8_ds_mla`` pools: uint8 [num_pages, page_size, row bytes])."""
-        buf = self.token_to_kv_pool.get_key_buffer(layer_id)  # [slots, 1, D], dtype view
-        if self.ds_layout is not None:
-            buf = buf.view(torch.uint8)
-        slots, D = buf.shape[0], buf.shape[-1]
-        if slots % self.page_size:
-            _fail(f"pool size {slots} is not a multiple of page size {self.page_size}")
-        return buf.view(slots // self.page_size, self.page_size, D)
+        """The pool's buffer of ``layer_id`` ([slots, 1, width]) as the core's
+        [num_pages, page_size, width] in the layout's dtype."""
+        buf = self.token_to_kv_pool.get_key_buffer(layer_id)
+        return engine_cache_view(buf, self.layout, self.page_size, BACKEND_NAME)
 
     # ------------------------------------------------------------------ weights (normal path)
     def bind_layer(self, attn_module: Any) -> None:

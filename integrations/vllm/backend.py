@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
-from mla_backend_integrations._common import pad_rows
+from mla_backend_integrations._common import engine_cache_view, pad_rows
 from mla_backend_integrations.vllm import BACKEND_NAME
 from mla_backend_integrations.vllm.plugin import check_vllm_version
 from vllm.v1.attention.backend import (
@@ -46,35 +46,16 @@ from vllm.v1.attention.backend import (
 )
 
 import mla_backend as mb
-from mla_backend.cache_layout import CacheLayout
+from mla_backend.cache_layout import ENGINE_NAMES, CacheLayout
 
 logger = logging.getLogger("vllm.mla_absorb")
 
-#: ``--kv-cache-dtype`` values this backend accepts ("auto" = the model dtype).
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_ds_mla")
-#: per-tensor fp8 (float8_e4m3fn cache, one ``k_scale``)
-_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-#: DeepSeek's tile-scaled fp8 layout (uint8 rows, scales inside the row, rope unquantized)
-DS_MLA_CACHE_DTYPE = "fp8_ds_mla"
+#: ``--kv-cache-dtype`` values this backend accepts ("auto" = the model dtype; each names a
+#: core cache layout, :meth:`CacheLayout.named`)
+SUPPORTED_KV_CACHE_DTYPES = tuple(ENGINE_NAMES)
 #: fp8_ds_mla layouts of the MLA layers built in this process, by r + rope (vLLM's spec
 #: ``head_size``): what :meth:`MLAAbsorbBackend.customize_spec` sizes the cache with
 _DS_MLA_LAYOUTS: dict[int, CacheLayout] = {}
-
-
-def ds_mla_layout(hf_config: Any, dtype: torch.dtype) -> CacheLayout:
-    """The core's ``fp8_ds_mla`` row for a model config (r, rope) and model dtype."""
-    return CacheLayout.ds_mla(int(hf_config.kv_lora_rank), int(hf_config.qk_rope_head_dim), dtype)
-
-
-def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    """Bytes one token takes in one layer's latent cache under this backend."""
-    r, rope = int(hf_config.kv_lora_rank), int(hf_config.qk_rope_head_dim)
-    if kv_cache_dtype == DS_MLA_CACHE_DTYPE:
-        return ds_mla_layout(hf_config, dtype).bytes_per_token
-    if kv_cache_dtype in _FP8_CACHE_DTYPES:
-        return r + rope
-    elem = {"bfloat16": 2, "float16": 2}.get(kv_cache_dtype, dtype.itemsize)
-    return (r + rope) * elem
 
 
 class MLAAbsorbBackend(AttentionBackend):
@@ -121,7 +102,7 @@ class MLAAbsorbBackend(AttentionBackend):
         neither the spec is left as vLLM made it and the impl's width check raises at the
         first cache access."""
         spec = super().customize_spec(spec)
-        if getattr(spec, "cache_dtype_str", None) != DS_MLA_CACHE_DTYPE:
+        if not CacheLayout.name_is_tile_scaled(getattr(spec, "cache_dtype_str", None) or ""):
             return spec
         layout = _DS_MLA_LAYOUTS.get(int(spec.head_size))
         if layout is None:
@@ -130,7 +111,8 @@ class MLAAbsorbBackend(AttentionBackend):
             mc = getattr(get_current_vllm_config_or_none(), "model_config", None)
             if mc is None:
                 return spec
-            layout = ds_mla_layout(mc.hf_text_config, mc.dtype)
+            hf = mc.hf_text_config
+            layout = CacheLayout.ds_mla(int(hf.kv_lora_rank), int(hf.qk_rope_head_dim), mc.dtype)
             if layout.kv_lora_rank + layout.rope != spec.head_size:
                 return spec
         return replace(spec, state_content_bytes=layout.bytes_per_token)
@@ -323,14 +305,10 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
                 f"head_size={head_size} != kv_lora_rank + qk_rope_head_dim = {self.dims.latent_dim}"
             )
         self.kv_b_proj = kv_b_proj
-        # fp8_ds_mla: the rope part is stored in the model dtype (set again from act_dtype
-        # in process_weights_after_loading); vLLM builds layers under the model's default dtype
-        self.ds_layout: CacheLayout | None = None
-        if kv_cache_dtype == DS_MLA_CACHE_DTYPE:
-            self.ds_layout = CacheLayout.ds_mla(
-                kv_lora_rank, qk_rope_head_dim, torch.get_default_dtype()
-            )
-            _DS_MLA_LAYOUTS[kv_lora_rank + qk_rope_head_dim] = self.ds_layout
+        # the layer's cache layout, named once (fp8_ds_mla stores k_pe in the model dtype: set
+        # again from act_dtype in process_weights_after_loading; vLLM builds layers under the
+        # model's default dtype)
+        self._name_layout(torch.get_default_dtype())
         self.q_pad_num_heads = None
         self.supports_quant_query_input = False
         self.attn: mb.MLAAttention | None = None
@@ -341,37 +319,34 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         (an fp8 weight is dequantized with the scale it carries), see
         :func:`mla_backend.weights_from_kv_b_proj`."""
         weights = mb.weights_from_kv_b_proj(self.kv_b_proj, self.dims, dtype=act_dtype)
-        if self.ds_layout is not None:
-            self.ds_layout = CacheLayout.ds_mla(
-                self.dims.kv_lora_rank, self.dims.qk_rope_head_dim, act_dtype
-            )
-            _DS_MLA_LAYOUTS[self.dims.latent_dim] = self.ds_layout
+        self._name_layout(act_dtype)
         self.attn = mb.MLAAttention(self.dims, weights, self.scale)
+
+    def _name_layout(self, model_dtype: torch.dtype) -> None:
+        """The core layout ``--kv-cache-dtype`` names for these dims and model dtype; a
+        tile-scaled one is registered for :meth:`MLAAbsorbBackend.customize_spec`."""
+        d = self.dims
+        self.layout = CacheLayout.named(
+            self.kv_cache_dtype, d.kv_lora_rank, d.qk_rope_head_dim, model_dtype
+        )
+        if self.layout.tile_scaled:
+            _DS_MLA_LAYOUTS[d.latent_dim] = self.layout
+
+    @property
+    def ds_layout(self) -> CacheLayout | None:
+        """The layout when it is ``fp8_ds_mla``, else None."""
+        return self.layout if self.layout.tile_scaled else None
 
     # -- cache --------------------------------------------------------------------------
     def _cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """vLLM's cache tensor as the core's [num_pages, page_size, r + rope] latent cache
-        (``fp8_ds_mla``: uint8 [num_pages, page_size, layout width], checked here: a width
-        that vLLM sized differently from the core's layout raises)."""
-        if kv_cache.dim() == 4:  # [pages, 1, page_size, latent]
-            kv_cache = kv_cache.squeeze(1)
-        if self.ds_layout is not None:
-            if kv_cache.dtype != torch.uint8:
-                kv_cache = kv_cache.view(torch.uint8)
-            if kv_cache.shape[-1] != self.ds_layout.width:
-                raise ValueError(
-                    f"{BACKEND_NAME}: fp8_ds_mla cache rows of {kv_cache.shape[-1]} bytes, the "
-                    f"core's layout needs {self.ds_layout.width} (r {self.dims.kv_lora_rank}, "
-                    f"rope {self.dims.qk_rope_head_dim} in {self.ds_layout.rope_dtype}); "
-                    f"vLLM sized the cache without {BACKEND_NAME}.customize_spec"
-                )
-            return kv_cache
-        if self.kv_cache_dtype in _FP8_CACHE_DTYPES and kv_cache.dtype != mb.FP8_DTYPE:
-            kv_cache = kv_cache.view(mb.FP8_DTYPE)
-        return kv_cache
+        """vLLM's cache tensor [pages, 1, page_size, width] as the core's [num_pages,
+        page_size, width] in the layout's dtype (a width vLLM sized otherwise than the core's
+        layout raises: it was sized without :meth:`MLAAbsorbBackend.customize_spec`)."""
+        page_size = kv_cache.shape[-2] if kv_cache.dim() >= 3 else 1
+        return engine_cache_view(kv_cache, self.layout, page_size, BACKEND_NAME)
 
     def _kv_scale(self, k_scale: torch.Tensor | float | None) -> torch.Tensor | None:
-        if self.kv_cache_dtype not in _FP8_CACHE_DTYPES:
+        if not self.layout.per_tensor_scale:
             return None
         if k_scale is None:
             return torch.ones((), dtype=torch.float32)

@@ -15,7 +15,10 @@ Each is a sibling package of the same shape exporting one ``Kernels`` class.
 ``MLA_BACKEND_IMPL`` = ``auto`` (default) | ``torch`` | ``native`` | ``triton`` | ``flashinfer``
 forces a choice
 (tests force ``triton`` on CPU tensors under ``TRITON_INTERPRET=1``). Inputs are validated once,
-at the public entry points (:mod:`mla_backend.attention`); implementations trust them.
+at the public entry points (:mod:`mla_backend.attention`) and at plan time (page ids:
+``PlanPart.max_page_id``); implementations trust them. The cache's layout is resolved there too,
+once per call, and handed in as a :class:`~mla_backend.cache_layout.CacheLayout`: no
+implementation looks at the cache's dtype or the engine's names for it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from ..cache_layout import CacheLayout
+    from ..cost import DeviceProfile
     from ..dims import MLADims
-    from ..plan import PlanPart
+    from ..parts import PlanPart
     from ..weights import AbsorbWeights
 
 IMPLS = ("auto", "torch", "native", "triton", "flashinfer")
@@ -42,6 +47,11 @@ class KernelImpl(Protocol):
     implementation's constructor; calls read no tensor data on the host."""
 
     name: str
+
+    def cost_profile(self, device: torch.device) -> DeviceProfile:
+        """The measured roofline of these kernels on ``device`` (the policy's ``cost`` mode
+        prices both paths on it; called at plan time)."""
+        ...
 
     def work_shape(
         self,
@@ -71,13 +81,15 @@ class KernelImpl(Protocol):
     def write_latent(
         self,
         kv_cache: torch.Tensor,
+        layout: CacheLayout,
         c_kv: torch.Tensor,
         k_pe: torch.Tensor,
         slot_mapping: torch.Tensor,
         kv_scale: torch.Tensor | None,
     ) -> None:
         """Write ``[c_kv ; k_pe]`` ([T, r], [T, rope]) to ``slot_mapping`` [T] (< 0 skipped) of
-        ``kv_cache`` [pages, page_size, r + rope], in place; fp8 stores ``value / kv_scale``."""
+        ``kv_cache`` [pages, page_size, width] in ``layout``, in place; fp8 stores
+        ``value / kv_scale``."""
         ...
 
     def absorbed_attention(
@@ -85,6 +97,7 @@ class KernelImpl(Protocol):
         q_lat: torch.Tensor,
         q_pe: torch.Tensor,
         kv_cache: torch.Tensor,
+        layout: CacheLayout,
         part: PlanPart,
         softmax_scale: float,
         kv_scale: torch.Tensor | None,
@@ -96,6 +109,7 @@ class KernelImpl(Protocol):
     def gather_latent(
         self,
         kv_cache: torch.Tensor,
+        layout: CacheLayout,
         part: PlanPart,
         i: int,
         start: int,

@@ -3,8 +3,8 @@ and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (co
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
 :meth:`Kernels.prepare_weights`) and the normal path's MHA for bf16 (both on AVX512-BF16 CPUs;
-elsewhere, and for other dtypes, torch's bmm and SDPA); the normal path's cache reads from the
-torch implementation."""
+elsewhere, and for other dtypes, torch's bmm and SDPA through the shared helpers); the normal
+path's cache reads from the shared helpers (:mod:`mla_backend.ops.paged`)."""
 
 from __future__ import annotations
 
@@ -14,28 +14,39 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..torch import Kernels as TorchKernels
+from ...cost import DeviceProfile
+from ...weights import absorb_q, apply_W_UV
+from .. import paged, sdpa
 from . import ops as native
+from .profile import profile_for
 
 if TYPE_CHECKING:
+    from ...cache_layout import CacheLayout
     from ...dims import MLADims
-    from ...plan import PlanPart
+    from ...parts import PlanPart
     from ...weights import AbsorbWeights
 
 
-class Kernels(TorchKernels):
+class Kernels:
     """Native CPU kernels. Tuning knob: ``num_kv_splits`` (0 = the kernel chooses)."""
 
     name = "native"
+    # shared helpers (composition: each is the same function in every implementation)
+    gather_latent = staticmethod(paged.gather_latent)
 
     def __init__(self, *, num_kv_splits: int = 0) -> None:
-        super().__init__()
         if num_kv_splits < 0:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 0 (0 = automatic)")
         self.num_kv_splits = num_kv_splits
+        #: the ISA level the kernels run at (None: the loader's pick); keys the cost profile
+        self.isa: str | None = None
 
     def __repr__(self) -> str:
         return f"ops.native.Kernels(num_kv_splits={self.num_kv_splits})"
+
+    def cost_profile(self, device: torch.device) -> DeviceProfile:
+        """The measured profile of the native kernels at this ISA level (:mod:`.profile`)."""
+        return profile_for(self.isa)
 
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
         """bf16 weights on a CPU with AVX512-BF16: add their packed copies (W_UK's and W_UV's
@@ -56,12 +67,12 @@ class Kernels(TorchKernels):
 
     def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
         if weights.W_UK_packed is None or q_nope.dtype != torch.bfloat16:
-            return super().absorb_q(q_nope, weights)
+            return absorb_q(q_nope, weights)
         return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1])
 
     def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
         if weights.W_UV_packed is None or o_lat.dtype != torch.bfloat16:
-            return super().apply_W_UV(o_lat, weights)
+            return apply_W_UV(o_lat, weights)
         return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1])
 
     def attention_with_lse(
@@ -78,7 +89,7 @@ class Kernels(TorchKernels):
             and native.simd_level() == "avx512_bf16"
         ):
             return native.attention_with_lse(q, k, v, causal, scale)
-        return super().attention_with_lse(q, k, v, causal, scale)
+        return sdpa.attention_with_lse(q, k, v, causal, scale)
 
     def work_shape(
         self,
@@ -92,6 +103,7 @@ class Kernels(TorchKernels):
     def write_latent(
         self,
         kv_cache: torch.Tensor,
+        layout: CacheLayout,
         c_kv: torch.Tensor,
         k_pe: torch.Tensor,
         slot_mapping: torch.Tensor,
@@ -104,10 +116,13 @@ class Kernels(TorchKernels):
         q_lat: torch.Tensor,
         q_pe: torch.Tensor,
         kv_cache: torch.Tensor,
+        layout: CacheLayout,
         part: PlanPart,
         softmax_scale: float,
         kv_scale: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # page ids were bounds-checked at the entry point against part.max_page_id (O(1));
+        # the op takes max_page_id= once the isa branch's wrapper does (see the merge note)
         return native.absorbed_attention(
             q_lat,
             q_pe,

@@ -1,6 +1,7 @@
 """The Triton implementation of the device seam (:class:`Kernels`): the custom ops of
 :mod:`.ops` for the cache write and the absorbed attention (with its plan-time schedule,
-:mod:`.schedule`), the torch implementation's normal path (cache reads, fused SDPA)."""
+:mod:`.schedule`); the normal path's cache reads and MHA (torch's fused SDPA) from the helpers
+every implementation shares."""
 
 from __future__ import annotations
 
@@ -10,19 +11,22 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
-from ..torch import Kernels as TorchKernels
+from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
+from ...weights import absorb_q, apply_W_UV
+from .. import paged, sdpa
 from . import ops as triton_ops  # by module: tests reload it and patch its functions
 from . import schedule
 from .jit import heuristics as hx
 
 if TYPE_CHECKING:
+    from ...cache_layout import CacheLayout
     from ...dims import MLADims
+    from ...parts import PlanPart
+    from ...weights import AbsorbWeights
 
 
-class Kernels(TorchKernels):
-    """The Triton implementation of :class:`mla_backend.ops.KernelImpl`: cache write and
-    absorbed attention in Triton; the normal path's cache reads and MHA from the torch
-    implementation (torch's fused SDPA).
+class Kernels:
+    """The Triton implementation of :class:`mla_backend.ops.KernelImpl`.
 
     Tuning knobs (keyword arguments; tests use them to force paths):
         num_kv_splits: force the number of schedule pieces (programs along the split axis;
@@ -35,6 +39,11 @@ class Kernels(TorchKernels):
     """
 
     name = "triton"
+    # shared helpers (composition: each is the same function in every implementation)
+    absorb_q = staticmethod(absorb_q)
+    apply_W_UV = staticmethod(apply_W_UV)
+    attention_with_lse = staticmethod(sdpa.attention_with_lse)
+    gather_latent = staticmethod(paged.gather_latent)
 
     def __init__(
         self,
@@ -44,7 +53,6 @@ class Kernels(TorchKernels):
         rows_per_program: int = hx.ROWS_PER_PROGRAM,
         fp8_mode: str | None = None,
     ) -> None:
-        super().__init__()
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
         rows = rows_per_program
@@ -62,6 +70,10 @@ class Kernels(TorchKernels):
             f"ops.triton.Kernels(num_kv_splits={self.num_kv_splits}, block_n={self.block_n}, "
             f"rows_per_program={self.rows_per_program}, fp8_mode={self.fp8_mode})"
         )
+
+    def cost_profile(self, device: torch.device) -> DeviceProfile:
+        """The GPU's (FlashMLA's published figures); CPU tensors (the interpreter): the CPU's."""
+        return CPU_PROFILE if device.type == "cpu" else GPU_PROFILE
 
     def work_shape(
         self,
@@ -105,12 +117,32 @@ class Kernels(TorchKernels):
         min_units = 1 if self.num_kv_splits is not None else hx.MIN_KV_ROWS_PER_PART // block_n
         return schedule.schedule_tensors(tiles, num_parts, overhead, min_units, block_n, device)
 
-    def write_latent(self, kv_cache, c_kv, k_pe, slot_mapping, kv_scale) -> None:
+    def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
+        return weights
+
+    def write_latent(
+        self,
+        kv_cache: torch.Tensor,
+        layout: CacheLayout,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scale: torch.Tensor | None,
+    ) -> None:
         triton_ops.write_latent(
             kv_cache, c_kv, k_pe, slot_mapping, kv_scale, fp8_mode=self.fp8_mode
         )
 
-    def absorbed_attention(self, q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale):
+    def absorbed_attention(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: CacheLayout,
+        part: PlanPart,
+        softmax_scale: float,
+        kv_scale: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_ops.absorbed_attention(
             q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale,
             block_n=self._block_n(part.dims, part.work.block_q),

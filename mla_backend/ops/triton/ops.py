@@ -54,7 +54,7 @@ from .jit.cache_write import write_latent_ds_kernel, write_latent_kernel
 from .schedule import max_partial_slots
 
 if TYPE_CHECKING:
-    from ...plan import PlanPart
+    from ...parts import PlanPart
 
 _TL_DTYPE = {
     torch.float32: tl.float32,

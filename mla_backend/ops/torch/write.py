@@ -1,0 +1,40 @@
+"""The torch implementation's cache write: ``[c_kv ; k_pe]`` rows encoded by the layout
+(:meth:`~mla_backend.cache_layout.CacheLayout.encode`) and scattered to their slots without
+reading the padding mask on the host."""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache_layout import CacheLayout
+
+
+def write_latent(
+    kv_cache: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    layout: CacheLayout,
+) -> None:
+    """Write c_kv [T, r], k_pe [T, rope] to ``slot_mapping`` [>= T] of ``kv_cache`` [pages,
+    page_size, width] in ``layout``, in place.
+
+    Padding slots (< 0) are redirected, without reading the mask on the host, to the largest
+    slot of the step with that slot's own row (identical duplicate writes), or, when every slot
+    is padding, to the last cache row with its current content."""
+    T = c_kv.shape[0]
+    if T == 0:
+        return
+    flat = kv_cache.view(-1, kv_cache.shape[-1]).view(layout.storage_dtype)
+    slots = slot_mapping[:T].long()
+    row = layout.encode(c_kv, k_pe, kv_scale)
+    n_rows = flat.shape[0]
+    valid = slots >= 0
+    top = slots.argmax().view(1)
+    smax = slots.index_select(0, top)  # [1]; < 0 only if every slot is padding
+    target = torch.where(valid, slots, smax) % n_rows  # all padding: the last row
+    keep = flat.index_select(0, smax % n_rows)  # that row's current content
+    fill = torch.where((smax >= 0)[:, None], row.index_select(0, top), keep)
+    src = torch.where(valid[:, None], row, fill)
+    flat.index_put_((target,), src)

@@ -1,0 +1,103 @@
+"""The seam's input types: :class:`PlanPart` (the requests one kernel call serves, with their
+host data and index tensors) and :class:`WorkPartition` (how a kernel call is cut into programs).
+
+Plain data, made by :mod:`mla_backend.plan` at plan time and read by every kernel
+implementation (:mod:`mla_backend.ops`); this module sits below both and imports neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dims import MLADims
+
+
+@dataclass(frozen=True)
+class WorkPartition:
+    """How a kernel call is cut into independent programs: query blocks x KV splits.
+
+    Attributes:
+        block_q: new tokens of one request per query block.
+        q_block_req: [W] int32, the request (index within the part) of each query block.
+        q_block_start: [W] int32, its first new token (0-based within the request).
+        num_kv_splits: KV splits per query block (their partial results are merged by LSE);
+            for an implementation with a ``schedule``, its programs along the split axis.
+        schedule: the implementation's own plan-time state, or () when it has none; made by
+            its optional ``work_schedule(dims, new_lens, kv_lens, block_q, num_kv_splits,
+            device, *, block_table, page_size)`` method. Each item has ``copy_(other)``
+            (device tensors whose shapes depend only on the query blocks and
+            ``num_kv_splits``, or an object that re-plans itself), so a refreshed plan
+            rewrites them in place.
+    """
+
+    block_q: int
+    q_block_req: torch.Tensor
+    q_block_start: torch.Tensor
+    num_kv_splits: int
+    schedule: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class PlanPart:
+    """The requests of one step that one kernel call serves: the whole step, or the share of
+    one path in a step the policy splits. Query rows are packed in request order.
+
+    Host data (python ints; sizes outputs and drives the torch path's loops):
+        dims: the step's MLA dims.
+        reqs: indices of the part's requests in the step.
+        prefix_lens: per request, tokens cached before this step.
+        new_lens: per request, query tokens in this step.
+        cu_new: [n + 1] prefix sums of ``new_lens``: request i owns rows cu_new[i]:cu_new[i+1]
+            of the part's query tensors.
+        pages: per request, the physical ids of the pages it uses (from the host block
+            table), or None when the engine gave no host copy of the block table.
+        max_page_id: the largest page id any request of the part uses (-1 if unknown or
+            none): checked against the cache's page count at every entry point (O(1)), so
+            the kernels bound-check page ids against it instead of re-scanning the table.
+    Device data (int32, on the plan's device):
+        rows: [num_tokens] int64 rows of the step's packed queries that belong to this part,
+            or None when the part is the whole step (all rows, in order).
+        block_table: [n, max_pages] physical page of each logical page (the engine's width:
+            a fixed capacity, so a refreshed plan keeps its addresses).
+        kv_lens_t: [n] prefix + new tokens.
+        prefix_lens_t / new_lens_t: [n]; cu_new_t: [n + 1].
+        work: the kernels' work partition.
+    """
+
+    dims: MLADims
+    reqs: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    new_lens: tuple[int, ...]
+    cu_new: tuple[int, ...]
+    pages: tuple[tuple[int, ...], ...] | None
+    max_page_id: int
+    rows: torch.Tensor | None
+    block_table: torch.Tensor
+    kv_lens_t: torch.Tensor
+    prefix_lens_t: torch.Tensor
+    new_lens_t: torch.Tensor
+    cu_new_t: torch.Tensor
+    work: WorkPartition
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_new[-1]
+
+    @property
+    def kv_lens(self) -> tuple[int, ...]:
+        return tuple(p + n for p, n in zip(self.prefix_lens, self.new_lens, strict=True))
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens, default=0)
+
+    @property
+    def max_new_len(self) -> int:
+        return max(self.new_lens, default=0)
