@@ -106,9 +106,9 @@ def test_fake_tensor_shapes():
 
     with FakeTensorMode() as mode:
         w = mode.from_tensor(_rand(4, 33, 70, seed=0))
-        p = torch.ops.mla_backend.native_pack_heads(w)
+        p = native.op_namespace().native_pack_heads(w)
         assert p.shape == (4, 2, 17, COLS, 2)
-        y = torch.ops.mla_backend.native_head_gemm(mode.from_tensor(_rand(3, 4, 33, seed=1)), p, 70)
+        y = native.op_namespace().native_head_gemm(mode.from_tensor(_rand(3, 4, 33, seed=1)), p, 70)
         assert y.shape == (3, 4, 70) and y.dtype == torch.bfloat16
 
 

@@ -110,7 +110,7 @@ def test_fake_tensor_shapes():
         q = mode.from_tensor(torch.randn(3, 5, 12).bfloat16())
         k = mode.from_tensor(torch.randn(3, 9, 12).bfloat16())
         v = mode.from_tensor(torch.randn(3, 9, 7).bfloat16())
-        o, lse = torch.ops.mla_backend.native_attention_with_lse(q, k, v, False, 0.3)
+        o, lse = native.op_namespace().native_attention_with_lse(q, k, v, False, 0.3)
         assert o.shape == (3, 5, 7) and lse.shape == (3, 5) and lse.dtype == torch.float32
 
 

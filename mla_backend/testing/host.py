@@ -2,10 +2,8 @@
 kernels' ISA levels (which ones this CPU executes, which one a process uses, the kernels at a
 given level). Shared by ``examples/`` and ``benchmarks/``; every result they print names these.
 
-The per-ISA native API (``mla_backend.ops.native``: ``ISA_LEVELS``, ``host_isas()``,
-``selected_isa()``, ``Kernels(isa)``) is reached through :func:`_native_api` only. Before that
-API exists (one native build per process, ``native.simd_level()``), the functions below fall back
-to that single build as the only level.
+The levels come from :mod:`mla_backend.ops.native` (``ISA_LEVELS``, ``host_isas()``,
+``selected_isa()``, ``Kernels(isa)``).
 """
 
 from __future__ import annotations
@@ -15,68 +13,44 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..ops import KernelImpl
 
 #: An engine or benchmark process runs our native kernels at this level when set.
 ISA_ENV = "MLA_BACKEND_NATIVE_ISA"
-#: Our native kernels' levels, lowest first (the per-ISA native API's ``ISA_LEVELS``).
-ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
-
-
-def _native_api() -> Any:
-    """The module holding the per-ISA native API (the one line to change if it moves)."""
-    from ..ops import native
-
-    return native
-
-
-def _per_isa() -> bool:
-    return hasattr(_native_api(), "host_isas")
-
-
-def _single_level() -> str:
-    """The level of the single pre-per-ISA native build ('scalar' when it has no bf16 engine)."""
-    native = _native_api()
-    if not native.available():
-        return "unavailable"
-    return "avx512_bf16" if native.simd_level() == "avx512_bf16" else "scalar"
 
 
 def isa_levels() -> tuple[str, ...]:
     """Every level our native kernels know, lowest first."""
-    return tuple(getattr(_native_api(), "ISA_LEVELS", ISA_LEVELS))
+    from ..ops import native
+
+    return tuple(native.ISA_LEVELS)
 
 
 def host_isas() -> tuple[str, ...]:
     """The native levels this CPU can execute, lowest first (empty: no native kernels)."""
-    native = _native_api()
-    if _per_isa():
-        return tuple(native.host_isas())
-    level = _single_level()
-    return () if level == "unavailable" else (level,)
+    from ..ops import native
+
+    return tuple(native.host_isas())
 
 
 def selected_isa() -> str:
     """The level this process's native kernels run at (``MLA_BACKEND_NATIVE_ISA`` or the best
     host level); 'unavailable' when the native kernels cannot load here."""
-    if _per_isa():
-        return str(_native_api().selected_isa())
-    return _single_level()
+    from ..ops import native
+
+    if not native.available():
+        return "unavailable"
+    return str(native.selected_isa())
 
 
 def native_kernels(isa: str | None = None) -> KernelImpl:
     """The native seam implementation (``KernelImpl``) at ``isa`` (None: the selected level)."""
-    native = _native_api()
-    if _per_isa():
-        return native.Kernels(isa)
-    if isa not in (None, selected_isa()):
-        raise ValueError(f"native ISA level {isa!r} is not built here (only {selected_isa()!r})")
-    from ..ops.native_kernels import Kernels
+    from ..ops import native
 
-    return Kernels()
+    return native.Kernels(isa)
 
 
 @functools.cache

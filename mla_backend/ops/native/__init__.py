@@ -1,9 +1,21 @@
 """Native C++ CPU kernels for absorbed MLA, the device seam's ``native`` implementation.
 
-- :mod:`.build`: the loader (compile at first use, register the ``torch.library`` ops);
+- :mod:`.build`: the loader: one build per ISA level (:data:`ISA_LEVELS`: scalar, avx2, avx512,
+  avx512_bf16, amx), compiled at first use for the levels the CPU executes (:func:`host_isas`),
+  the best one (or ``MLA_BACKEND_NATIVE_ISA``) selected (:func:`selected_isa`), each level's
+  ops under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
 - :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
 - :mod:`.kernels`: :class:`Kernels`, the :class:`mla_backend.ops.KernelImpl` over them;
-- ``csrc/``: the C++ sources.
+- ``csrc/``: the C++ sources: ``vec.h`` (the vector layer: fp32 vectors of the level's width,
+  AVX-512 / AVX2 + FMA + F16C / portable, with bf16 / fp16 / e4m3 widening loads and narrowing
+  stores), ``attention_core.h`` (the torch-free attention and cache-row cores over raw
+  pointers, threads through a callback), ``mla_cpu.cpp`` (the torch layer: checks, the
+  ``torch.library`` registration), ``head_gemm.cpp`` / ``mha_prefill.cpp`` (absorption GEMMs,
+  normal-path MHA).
+
+Engines per level: the fp32 engine (any q / cache dtype; widened tiles, fp32 FMAs) at every
+level over ``vec.h``; at ``avx512_bf16`` and ``amx`` bf16 queries use the bf16 engine
+(``vdpbf16ps``; the ``amx`` level has no tile code yet: it runs the ``avx512_bf16`` kernels).
 
 Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items are
 (request, block of <= 32 query rows = new tokens x heads, kv split); each item streams its
@@ -20,7 +32,15 @@ to the probabilities before P·V, never by writing a dequantized copy of the cac
 
 from __future__ import annotations
 
-from .build import HEAD_GEMM_COLS, available, unavailable_reason
+from .build import (
+    HEAD_GEMM_COLS,
+    ISA_LEVELS,
+    available,
+    host_isas,
+    op_namespace,
+    selected_isa,
+    unavailable_reason,
+)
 from .kernels import Kernels
 from .ops import (
     absorbed_attention,
@@ -33,12 +53,16 @@ from .ops import (
 
 __all__ = [
     "HEAD_GEMM_COLS",
+    "ISA_LEVELS",
     "Kernels",
     "absorbed_attention",
     "attention_with_lse",
     "available",
     "head_gemm",
+    "host_isas",
+    "op_namespace",
     "pack_heads",
+    "selected_isa",
     "simd_level",
     "unavailable_reason",
     "write_latent",

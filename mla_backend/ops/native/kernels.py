@@ -18,6 +18,7 @@ from ...cost import DeviceProfile
 from ...weights import absorb_q, apply_W_UV
 from .. import paged, sdpa
 from . import ops as native
+from .build import ISA_LEVELS
 from .profile import profile_for
 
 if TYPE_CHECKING:
@@ -28,21 +29,25 @@ if TYPE_CHECKING:
 
 
 class Kernels:
-    """Native CPU kernels. Tuning knob: ``num_kv_splits`` (0 = the kernel chooses)."""
+    """Native CPU kernels of one ISA level (``isa``, one of :data:`ISA_LEVELS`; None = the
+    selected level, :func:`mla_backend.ops.native.selected_isa`). Tuning knob:
+    ``num_kv_splits`` (0 = the kernel chooses)."""
 
     name = "native"
     # shared helpers (composition: each is the same function in every implementation)
     gather_latent = staticmethod(paged.gather_latent)
 
-    def __init__(self, *, num_kv_splits: int = 0) -> None:
+    def __init__(self, isa: str | None = None, *, num_kv_splits: int = 0) -> None:
         if num_kv_splits < 0:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 0 (0 = automatic)")
-        self.num_kv_splits = num_kv_splits
+        if isa is not None and isa not in ISA_LEVELS:
+            raise ValueError(f"isa={isa!r} is not supported; use one of {ISA_LEVELS} or None")
         #: the ISA level the kernels run at (None: the loader's pick); keys the cost profile
-        self.isa: str | None = None
+        self.isa = isa
+        self.num_kv_splits = num_kv_splits
 
     def __repr__(self) -> str:
-        return f"ops.native.Kernels(num_kv_splits={self.num_kv_splits})"
+        return f"ops.native.Kernels(isa={self.isa!r}, num_kv_splits={self.num_kv_splits})"
 
     def cost_profile(self, device: torch.device) -> DeviceProfile:
         """The measured profile of the native kernels at this ISA level (:mod:`.profile`)."""
@@ -56,24 +61,24 @@ class Kernels:
             or weights.W_UK.dtype != torch.bfloat16
             or weights.W_UV.dtype != torch.bfloat16
             or weights.W_UK.device.type != "cpu"
-            or native.simd_level() != "avx512_bf16"
+            or native.simd_level(self.isa) != "avx512_bf16"
         ):
             return weights
         return replace(
             weights,
-            W_UK_packed=native.pack_heads(weights.W_UK),
-            W_UV_packed=native.pack_heads(weights.W_UV),
+            W_UK_packed=native.pack_heads(weights.W_UK, isa=self.isa),
+            W_UV_packed=native.pack_heads(weights.W_UV, isa=self.isa),
         )
 
     def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
         if weights.W_UK_packed is None or q_nope.dtype != torch.bfloat16:
             return absorb_q(q_nope, weights)
-        return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1])
+        return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1], isa=self.isa)
 
     def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
         if weights.W_UV_packed is None or o_lat.dtype != torch.bfloat16:
             return apply_W_UV(o_lat, weights)
-        return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1])
+        return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1], isa=self.isa)
 
     def attention_with_lse(
         self,
@@ -86,9 +91,9 @@ class Kernels:
         if (
             q.dtype == k.dtype == v.dtype == torch.bfloat16
             and q.device.type == "cpu"
-            and native.simd_level() == "avx512_bf16"
+            and native.simd_level(self.isa) == "avx512_bf16"
         ):
-            return native.attention_with_lse(q, k, v, causal, scale)
+            return native.attention_with_lse(q, k, v, causal, scale, isa=self.isa)
         return sdpa.attention_with_lse(q, k, v, causal, scale)
 
     def work_shape(
@@ -109,7 +114,7 @@ class Kernels:
         slot_mapping: torch.Tensor,
         kv_scale: torch.Tensor | None,
     ) -> None:
-        native.write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
+        native.write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale, isa=self.isa)
 
     def absorbed_attention(
         self,
@@ -121,8 +126,8 @@ class Kernels:
         softmax_scale: float,
         kv_scale: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # page ids were bounds-checked at the entry point against part.max_page_id (O(1));
-        # the op takes max_page_id= once the isa branch's wrapper does (see the merge note)
+        # page ids were bounds-checked at the entry point against part.max_page_id (O(1)); the
+        # op checks it once more against the cache (O(1)) instead of scanning the block table
         return native.absorbed_attention(
             q_lat,
             q_pe,
@@ -133,4 +138,6 @@ class Kernels:
             softmax_scale,
             kv_scale,
             part.work.num_kv_splits,
+            part.max_page_id,
+            isa=self.isa,
         )

@@ -171,12 +171,12 @@ at::Tensor head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
 }  // namespace
 }  // namespace mla_native
 
-TORCH_LIBRARY_FRAGMENT(mla_backend, m) {
+TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def("native_pack_heads(Tensor w) -> Tensor");
   m.def("native_head_gemm(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mla_backend, CPU, m) {
+TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_pack_heads", &mla_native::pack_heads);
   m.impl("native_head_gemm", &mla_native::head_gemm);
 }

@@ -253,12 +253,12 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const
 }  // namespace
 }  // namespace mla_native
 
-TORCH_LIBRARY_FRAGMENT(mla_backend, m) {
+TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def(
       "native_attention_with_lse(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> "
       "(Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(mla_backend, CPU, m) {
+TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_attention_with_lse", &mla_native::attention_with_lse);
 }
