@@ -1,4 +1,4 @@
-"""Native MHA of the normal path (``native.attention_with_lse``, bf16 on AVX512-BF16 CPUs): output
+"""Native MHA of the normal path (``native.attention_with_lse``, bf16 at every ISA level): output
 and log-sum-exp against a float64 reference over shapes (causal squares, non-causal rectangles,
 odd head dims, strided keys and values as the decompression hands them, empty key sets) and
 hypothesis, argument errors, fake-tensor shapes, and the whole normal path through the native
@@ -22,8 +22,6 @@ if not native.available():
     pytest.skip(
         f"native kernels unavailable: {native.unavailable_reason()}", allow_module_level=True
     )
-if native.simd_level() != "avx512_bf16":
-    pytest.skip("the native MHA needs AVX512-BF16", allow_module_level=True)
 
 
 def _rand(*shape: int, g: torch.Generator, s: float = 1.0) -> torch.Tensor:

@@ -25,6 +25,7 @@ from .kernels import Kernels
 from .ops import (
     absorbed_attention,
     attention_with_lse,
+    decompress,
     head_gemm,
     pack_heads,
     simd_level,
@@ -37,6 +38,7 @@ __all__ = [
     "absorbed_attention",
     "attention_with_lse",
     "available",
+    "decompress",
     "head_gemm",
     "pack_heads",
     "simd_level",

@@ -12,7 +12,9 @@ This module owns:
   ``torch.ops.mla_backend.native_write_latent`` (``csrc/mla_cpu.cpp``) and
   ``native_pack_heads`` / ``native_head_gemm`` (``csrc/head_gemm.cpp``: the per-head absorption
   GEMMs ``q_nope · W_UK`` and ``o_lat · W_UV`` over weights packed once per layer) and
-  ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the normal path's MHA), CPU kernels
+  ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the normal path's MHA) and
+  ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` / ``c_kv · W_UV``), all
+  three over the torch-free GEMM engine ``csrc/gemm_core.h``; CPU kernels
   with fake (meta) implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as
   opaque.
 """
@@ -30,8 +32,8 @@ import torch
 __all__ = ["available", "unavailable_reason", "HEAD_GEMM_COLS"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp")
-_HEADERS = ("mla_cpu.h",)
+_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
+_HEADERS = ("mla_cpu.h", "gemm_core.h")
 _EXT_NAME = "mla_backend_native"
 _FLAGS = ["-O3", "-march=native", "-std=c++17"]
 
@@ -115,6 +117,11 @@ def _register_fakes() -> None:
     def _(q, k, v, causal, scale):
         H, Lq, _ = q.shape
         return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
+
+    @torch.library.register_fake("mla_backend::native_decompress")
+    def _(c_kv, k_pe, W_UK, W_UV):
+        L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
+        return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
 
     @torch.library.register_fake("mla_backend::native_fp8_decode")
     def _(data, bf16):

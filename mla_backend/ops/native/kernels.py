@@ -2,9 +2,9 @@
 and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
-:meth:`Kernels.prepare_weights`) and the normal path's MHA for bf16 (both on AVX512-BF16 CPUs;
-elsewhere, and for other dtypes, torch's bmm and SDPA); the normal path's cache reads from the
-torch implementation."""
+:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
+ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: torch's bmm, mm and SDPA); the
+normal path's cache reads from the torch implementation."""
 
 from __future__ import annotations
 
@@ -38,14 +38,13 @@ class Kernels(TorchKernels):
         return f"ops.native.Kernels(num_kv_splits={self.num_kv_splits})"
 
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
-        """bf16 weights on a CPU with AVX512-BF16: add their packed copies (W_UK's and W_UV's
-        element count again, padded to even rows and blocks of 64 columns)."""
+        """bf16 CPU weights: add their packed copies (W_UK's and W_UV's element count again,
+        padded to even rows and blocks of 64 columns: 2·H·r·(nope + v) bytes per layer)."""
         if (
             weights.fp8
             or weights.W_UK.dtype != torch.bfloat16
             or weights.W_UV.dtype != torch.bfloat16
             or weights.W_UK.device.type != "cpu"
-            or native.simd_level() != "avx512_bf16"
         ):
             return weights
         return replace(
@@ -72,13 +71,21 @@ class Kernels(TorchKernels):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (
-            q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and q.device.type == "cpu"
-            and native.simd_level() == "avx512_bf16"
-        ):
+        if q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu":
             return native.attention_with_lse(q, k, v, causal, scale)
         return super().attention_with_lse(q, k, v, causal, scale)
+
+    def decompress(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        W_UK: torch.Tensor,
+        W_UV: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ts = (c_kv, k_pe, W_UK, W_UV)
+        if all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts):
+            return native.decompress(c_kv, k_pe, W_UK, W_UV)
+        return super().decompress(c_kv, k_pe, W_UK, W_UV)
 
     def work_shape(
         self,

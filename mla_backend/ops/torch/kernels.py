@@ -173,6 +173,24 @@ class Kernels:
         layout = _layout(kv_cache, part, dtype)
         return _dequant(self._rows(kv_cache, part, i, start, end), dtype, kv_scale, layout)
 
+    # -- normal path's decompression ---------------------------------------------------
+    def decompress(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        W_UK: torch.Tensor,
+        W_UV: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``torch.mm`` in the weights' dtype (a transient [r, H*v] copy of ``W_UV``)."""
+        H, nope, r = W_UK.shape
+        v_dim = W_UV.shape[-1]
+        L = c_kv.shape[0]
+        W_UV_flat = W_UV.transpose(0, 1).reshape(r, H * v_dim)
+        k_nope = torch.mm(c_kv, W_UK.reshape(H * nope, r).t()).view(L, H, nope)
+        v = torch.mm(c_kv, W_UV_flat).view(L, H, v_dim)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(L, H, k_pe.shape[-1])], dim=-1)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
     # -- normal path's attention -------------------------------------------------------
     def attention_with_lse(
         self,
