@@ -1,13 +1,14 @@
-"""Native CPU kernels (mla_backend.ops.native): absorbed attention against an independent float64
-reference and a plain compute-dtype reference (for ``fp8_ds_mla`` caches also against an
-emulation of the kernel's own roundings), cache writes bit for bit against torch, the e4m3 decode
-against torch for every byte, the loader's failure path, argument errors and fake-tensor (opaque
-op) behaviour."""
+"""Native CPU kernels (mla_backend.ops.native), once per ISA level this CPU executes (the
+``isa`` fixture, :func:`native.host_isas`; ``MLA_BACKEND_TEST_ISAS=avx2,scalar`` restricts it):
+absorbed attention against an independent float64 reference and a plain compute-dtype reference
+(for ``fp8_ds_mla`` caches also against an emulation of the kernel's own roundings), cache writes
+bit for bit against torch, the e4m3 decode against torch for every byte, argument errors and
+fake-tensor (opaque op) behaviour. The loader (levels, flags, selection, a level the CPU lacks
+never built, the failure path) is tested in tests/test_native_isa.py."""
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -18,10 +19,8 @@ from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
 from mla_backend.testing.cases import make_case
 
-if not native.available():
-    pytest.skip(
-        f"native kernels unavailable: {native.unavailable_reason()}", allow_module_level=True
-    )
+if not native.host_isas():
+    pytest.skip("the native kernels target x86-64 (no ISA level here)", allow_module_level=True)
 
 FP8 = torch.float8_e4m3fn
 DS = torch.uint8  # fp8_ds_mla rows
@@ -46,6 +45,7 @@ def _dims(H: int, r: int, rope: int) -> mb.MLADims:
 
 
 def _run_case(
+    isa,
     H,
     r,
     rope,
@@ -79,7 +79,7 @@ def _run_case(
     kvl = torch.tensor(case.batch.kv_lens, dtype=torch.int32)
     scale = scale if scale is not None else 1.0 / math.sqrt(r + rope)
     o, lse = native.absorbed_attention(
-        q_lat, q_pe, case.kv_cache, bt, cu, kvl, scale, case.kv_scale, splits
+        q_lat, q_pe, case.kv_cache, bt, cu, kvl, scale, case.kv_scale, splits, isa=isa
     )
     return case, q_lat, q_pe, scale, o, lse
 
@@ -198,14 +198,14 @@ MIXED = ([0, 5, 37, 0, 64, 3], [1, 1, 4, 9, 1, 0])  # zero-prefix extends, decod
 
 @pytest.mark.parametrize("qdt,cdt", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("r,rope", SHAPES, ids=lambda x: str(x))
-def test_dims_and_dtypes_mixed_batch(r, rope, qdt, cdt):
-    res = _run_case(16, r, rope, *MIXED, 16, qdt, cdt, seed=r + rope)
+def test_dims_and_dtypes_mixed_batch(isa, r, rope, qdt, cdt):
+    res = _run_case(isa, 16, r, rope, *MIXED, 16, qdt, cdt, seed=r + rope)
     _check(res[0], *res[1:4], *res[4:], qdt)
 
 
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("H", [1, 3, 9, 16, 63, 128])
-def test_heads_and_pages(H, page):
+def test_heads_and_pages(isa, H, page):
     prefix, new = [3, 70, 0, 130], [1, 2, 5, 1]
     for qdt, cdt in [
         (torch.bfloat16, torch.bfloat16),
@@ -213,7 +213,7 @@ def test_heads_and_pages(H, page):
         (torch.bfloat16, DS),
         (torch.float32, DS),
     ]:
-        res = _run_case(H, 40, 8, prefix, new, page, qdt, cdt, seed=H * 7 + page)
+        res = _run_case(isa, H, 40, 8, prefix, new, page, qdt, cdt, seed=H * 7 + page)
         _check(res[0], *res[1:4], *res[4:], qdt)
 
 
@@ -229,9 +229,10 @@ def test_heads_and_pages(H, page):
     ],
     ids=str,
 )
-def test_kv_splits_and_layouts(splits, qdt, cdt):
+def test_kv_splits_and_layouts(isa, splits, qdt, cdt):
     prefix, new = [700, 0, 300, 1000], [1, 20, 6, 3]
     res = _run_case(
+        isa,
         9,
         64,
         16,
@@ -248,9 +249,9 @@ def test_kv_splits_and_layouts(splits, qdt, cdt):
     _check(res[0], *res[1:4], *res[4:], qdt)
 
 
-def test_sharp_softmax_scale():
+def test_sharp_softmax_scale(isa):
     for qdt, cdt in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]:
-        res = _run_case(16, 64, 16, [200, 50], [1, 4], 16, qdt, cdt, scale=0.5)
+        res = _run_case(isa, 16, 64, 16, [200, 50], [1, 4], 16, qdt, cdt, scale=0.5)
         _check(res[0], *res[1:4], *res[4:], qdt)
 
 
@@ -259,19 +260,19 @@ def test_sharp_softmax_scale():
     [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8), (torch.bfloat16, DS)],
     ids=str,
 )
-def test_long_context_8k(qdt, cdt):
-    res = _run_case(16, 512, 64, [8191, 3000, 6000], [1, 1, 2], 64, qdt, cdt, seed=3)
+def test_long_context_8k(isa, qdt, cdt):
+    res = _run_case(isa, 16, 512, 64, [8191, 3000, 6000], [1, 1, 2], 64, qdt, cdt, seed=3)
     _check(res[0], *res[1:4], *res[4:], qdt)
 
 
 @pytest.mark.slow
-def test_long_context_32k():
+def test_long_context_32k(isa):
     for qdt, cdt in [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8), (torch.bfloat16, DS)]:
-        res = _run_case(16, 512, 64, [32767], [1], 64, qdt, cdt, seed=5)
+        res = _run_case(isa, 16, 512, 64, [32767], [1], 64, qdt, cdt, seed=5)
         _check(res[0], *res[1:4], *res[4:], qdt)
 
 
-def test_hypothesis_shapes_and_layouts():
+def test_hypothesis_shapes_and_layouts(isa):
     hyp = pytest.importorskip("hypothesis")
     st = hyp.strategies
 
@@ -294,6 +295,7 @@ def test_hypothesis_shapes_and_layouts():
             new[0] = 1
         qdt, cdt = dt
         res = _run_case(
+            isa,
             H,
             r,
             rope,
@@ -315,7 +317,7 @@ def test_hypothesis_shapes_and_layouts():
 # ---- write_latent ------------------------------------------------------------------------
 @pytest.mark.parametrize("cdt", [FP8, torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16], ids=str)
-def test_write_latent_bitwise(cdt, src):
+def test_write_latent_bitwise(isa, cdt, src):
     g = torch.Generator().manual_seed(0)
     r, rope, ps, pages, T = 40, 6, 16, 8, 50
     c = (torch.randn(T, r, generator=g) * 10).to(src)
@@ -327,7 +329,7 @@ def test_write_latent_bitwise(cdt, src):
     scale = torch.tensor(0.02) if cdt == FP8 else None
     cache = torch.full((pages, ps, r + rope), 1.0).to(cdt)
     expect = cache.clone()
-    native.write_latent(cache, c, k, slots, scale)
+    native.write_latent(cache, c, k, slots, scale, isa=isa)
     row = torch.cat([c, k], -1).float()
     if cdt == FP8:
         row = (row / scale).clamp(-448, 448).to(FP8)
@@ -339,7 +341,7 @@ def test_write_latent_bitwise(cdt, src):
     assert torch.equal(cache.view(torch.uint8), expect.view(torch.uint8))
 
 
-def test_write_latent_all_fp8_bytes():
+def test_write_latent_all_fp8_bytes(isa):
     """Every fp8 code point (decoded x scale) round-trips, and a dense sweep of values matches
     torch's rounding bit for bit."""
     vals = torch.linspace(-500, 500, 200003)
@@ -349,14 +351,16 @@ def test_write_latent_all_fp8_bytes():
     c = vals[: T * 4].view(T, 4)
     cache = torch.zeros(T, 1, 4, dtype=FP8)
     scale = torch.tensor(1.0)
-    native.write_latent(cache, c, torch.zeros(T, 0), torch.arange(T, dtype=torch.int64), scale)
+    native.write_latent(
+        cache, c, torch.zeros(T, 0), torch.arange(T, dtype=torch.int64), scale, isa=isa
+    )
     ref = c.clamp(-448, 448).to(FP8)
     assert torch.equal(cache.view(torch.uint8).view(T, 4), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("r,rope", [(512, 64), (200, 32), (96, 0), (33, 6), (1, 2)], ids=str)
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_write_ds_mla_bitwise(src, r, rope):
+def test_write_ds_mla_bitwise(isa, src, r, rope):
     """The native fp8_ds_mla write equals the torch path's writer (itself tested bit for bit
     against vLLM's quantizer) byte for byte: magnitudes over 16 decades, all-zero and partial
     tiles, inf, NaN, subnormal inputs, padding slots; bytes of other rows untouched."""
@@ -373,7 +377,7 @@ def test_write_ds_mla_bitwise(src, r, rope):
     lay = CacheLayout.ds_mla(r, rope, src)
     base = torch.randint(0, 256, (pages, ps, lay.width), generator=g, dtype=torch.uint8)
     mine, ref = base.clone(), base.clone()
-    native.write_latent(mine, c, k, slots.to(torch.int32), None)
+    native.write_latent(mine, c, k, slots.to(torch.int32), None, isa=isa)
     torch_ops.Kernels().write_latent(ref, c, k, slots, None)
     assert torch.equal(mine, ref)
     keep = slots >= 0  # and the writer's rows are CacheLayout.pack's
@@ -381,7 +385,7 @@ def test_write_ds_mla_bitwise(src, r, rope):
 
 
 @pytest.mark.parametrize("flush_denormal", [False, True])
-def test_fp8_decode_exact_for_every_byte(flush_denormal):
+def test_fp8_decode_exact_for_every_byte(isa, flush_denormal):
     """The kernels' cheap e4m3 decode (fp16 bit trick + vcvtph2ps, and its bf16 form) equals
     torch's float8_e4m3fn -> float32 for all 256 bytes (NaN bytes read as +-480), subnormals
     included, also with denormals-are-zero set."""
@@ -395,40 +399,50 @@ def test_fp8_decode_exact_for_every_byte(flush_denormal):
     torch.set_flush_denormal(flush_denormal)
     try:
         for bf16 in (False, True):
-            got = torch.ops.mla_backend.native_fp8_decode(b, bf16)
+            got = native.op_namespace(isa).native_fp8_decode(b, bf16)
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), bf16
     finally:
         torch.set_flush_denormal(old)
 
 
 # ---- errors, fakes, loader ---------------------------------------------------------------
-def test_bad_inputs_raise_clear_errors():
+def test_bad_inputs_raise_clear_errors(isa):
     case = make_case(_dims(4, 16, 4), [5], [1], 4)
     q, qp = torch.randn(1, 4, 16), torch.randn(1, 4, 4)
     bt = case.batch.block_table.to(torch.int32)
     cu, kvl = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="q_lat dtype Double is not supported"):
-        native.absorbed_attention(q.double(), qp.double(), case.kv_cache, bt, cu, kvl, 0.1)
+        native.absorbed_attention(q.double(), qp.double(), case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
     with pytest.raises(RuntimeError, match="r \\+ rope"):
-        native.absorbed_attention(q[..., :8], qp, case.kv_cache, bt, cu, kvl, 0.1)
+        native.absorbed_attention(q[..., :8], qp, case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
     bad = bt.clone()
     bad[0, 0] = 999
     with pytest.raises(RuntimeError, match="999"):
-        native.absorbed_attention(q, qp, case.kv_cache, bad, cu, kvl, 0.1)
+        native.absorbed_attention(q, qp, case.kv_cache, bad, cu, kvl, 0.1, isa=isa)
     with pytest.raises(RuntimeError, match="kv_lens\\[0\\] = 0"):
         native.absorbed_attention(
-            q, qp, case.kv_cache, bt, cu, torch.zeros(1, dtype=torch.int32), 0.1
+            q, qp, case.kv_cache, bt, cu, torch.zeros(1, dtype=torch.int32), 0.1, isa=isa
         )
     with pytest.raises(RuntimeError, match="num_kv_splits=-1"):
-        native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, -1)
+        native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, -1, isa=isa)
     ds = torch.zeros(8, 4, CacheLayout.ds_mla(16, 4, torch.float32).width - 1, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="fp8_ds_mla kv_cache last dim"):
-        native.absorbed_attention(q, qp, ds, bt, cu, kvl, 0.1)
+        native.absorbed_attention(q, qp, ds, bt, cu, kvl, 0.1, isa=isa)
     with pytest.raises(RuntimeError, match="fp8_ds_mla kv_cache last dim"):
-        native.write_latent(ds, q[0], qp[0], torch.arange(4))
+        native.write_latent(ds, q[0], qp[0], torch.arange(4), isa=isa)
+    # the plan's max_page_id is checked in O(1) against the cache's page count
+    n_pages = case.kv_cache.shape[0]
+    with pytest.raises(RuntimeError, match=f"page id {n_pages} \\(max_page_id\\)"):
+        native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, 0, n_pages, isa=isa)
+    o1, _ = native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
+    used = int(bt[0, : -(-6 // case.kv_cache.shape[1])].max())
+    o2, _ = native.absorbed_attention(
+        q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, 0, used, isa=isa
+    )
+    assert torch.equal(o1, o2)
 
 
-def test_fake_tensor_mode_is_opaque():
+def test_fake_tensor_mode_is_opaque(isa):
     from torch._subclasses import FakeTensorMode
 
     case = make_case(_dims(4, 16, 4), [5, 0], [1, 3], 4, dtype=torch.bfloat16)
@@ -442,37 +456,12 @@ def test_fake_tensor_mode_is_opaque():
     )
     with FakeTensorMode() as mode:
         fargs = [mode.from_tensor(a) for a in args]
-        o, lse = torch.ops.mla_backend.native_absorbed_attention(*fargs, 0.25, None, 0)
+        o, lse = native.op_namespace(isa).native_absorbed_attention(*fargs, 0.25, None, 0)
         assert o.shape == (4, 4, 16) and o.dtype == torch.bfloat16 and lse.dtype == torch.float32
-        torch.ops.mla_backend.native_write_latent(
+        native.op_namespace(isa).native_write_latent(
             fargs[2],
             mode.from_tensor(torch.randn(2, 16)),
             mode.from_tensor(torch.randn(2, 4)),
             mode.from_tensor(torch.tensor([1, 2])),
             None,
         )
-
-
-def test_simulated_build_failure_warns_once(monkeypatch):
-    from mla_backend.ops.native import build
-
-    saved = dict(build._state)
-
-    def boom():
-        raise OSError("no C++ compiler found (simulated)")
-
-    monkeypatch.setattr(build, "_build", boom)
-    build._state.update(tried=False, ok=False, reason=None, warned=False)
-    try:
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            assert native.available() is False
-            assert native.available() is False
-        assert "simulated" in native.unavailable_reason()
-        msgs = [x for x in w if "native CPU kernels are unavailable" in str(x.message)]
-        assert len(msgs) == 1, [str(x.message) for x in w]
-        with pytest.raises(RuntimeError, match="simulated"):
-            native.absorbed_attention(*([None] * 6), 1.0)
-    finally:
-        build._state.clear()
-        build._state.update(saved)

@@ -1,6 +1,9 @@
 """Native C++ CPU kernels for absorbed MLA, the device seam's ``native`` implementation.
 
-- :mod:`.build`: the loader (compile at first use, register the ``torch.library`` ops);
+- :mod:`.build`: the loader: one build per ISA level (:data:`ISA_LEVELS`: scalar, avx2, avx512,
+  avx512_bf16, amx), compiled at first use for the levels the CPU executes (:func:`host_isas`),
+  the best one (or ``MLA_BACKEND_NATIVE_ISA``) selected (:func:`selected_isa`), each level's
+  ops under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
 - :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
 - :mod:`.kernels`: :class:`Kernels`, the :class:`mla_backend.ops.KernelImpl` over them;
 - ``csrc/``: the C++ sources.
@@ -20,7 +23,15 @@ to the probabilities before P·V, never by writing a dequantized copy of the cac
 
 from __future__ import annotations
 
-from .build import HEAD_GEMM_COLS, available, unavailable_reason
+from .build import (
+    HEAD_GEMM_COLS,
+    ISA_LEVELS,
+    available,
+    host_isas,
+    op_namespace,
+    selected_isa,
+    unavailable_reason,
+)
 from .kernels import Kernels
 from .ops import (
     absorbed_attention,
@@ -34,13 +45,17 @@ from .ops import (
 
 __all__ = [
     "HEAD_GEMM_COLS",
+    "ISA_LEVELS",
     "Kernels",
     "absorbed_attention",
     "attention_with_lse",
     "available",
     "decompress",
     "head_gemm",
+    "host_isas",
+    "op_namespace",
     "pack_heads",
+    "selected_isa",
     "simd_level",
     "unavailable_reason",
     "write_latent",

@@ -1,20 +1,23 @@
 """Thin Python wrappers of the native ``torch.library`` ops (registered by
 :mod:`mla_backend.ops.native.build`): shapes and dtypes in, the op's outputs back. The device seam's
-native implementation (:mod:`mla_backend.ops.native.kernels`) calls these."""
+native implementation (:mod:`mla_backend.ops.native.kernels`) calls these.
+
+Every wrapper takes ``isa``: the ISA level whose build runs the op (``torch.ops.mla_backend_<isa>``;
+None = :func:`mla_backend.ops.native.build.selected_isa`), so several levels serve one process."""
 
 from __future__ import annotations
 
 import torch
 
-from .build import _state, require
+from .build import _state, op_namespace, require
 
 
-def simd_level() -> str:
-    """'avx512_bf16' when the bf16 engine was compiled in, else 'fp32' (portable engine)."""
-    require()
-    if "simd" not in _state:  # asked on every normal-path call: read the build once
-        _state["simd"] = "avx512_bf16" if torch.ops.mla_backend.native_simd_info() else "fp32"
-    return _state["simd"]  # type: ignore[return-value]
+def simd_level(isa: str | None = None) -> str:
+    """'avx512_bf16' when level ``isa``'s build has the bf16 engine, else 'fp32'."""
+    st = _state(require(isa))
+    if "simd" not in st:  # asked on every normal-path call: read the build once
+        st["simd"] = "avx512_bf16" if op_namespace(isa).native_simd_info() else "fp32"
+    return st["simd"]
 
 
 def absorbed_attention(
@@ -27,6 +30,9 @@ def absorbed_attention(
     softmax_scale: float,
     kv_scale: torch.Tensor | None = None,
     num_kv_splits: int = 0,
+    max_page_id: int = -1,
+    *,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention (MQA over the paged latent cache), decode or extend.
 
@@ -44,6 +50,9 @@ def absorbed_attention(
         kv_scale: float32 0-d tensor; cached value = stored * kv_scale (None = 1.0; ignored for
             ``fp8_ds_mla``, whose scales are in the rows).
         num_kv_splits: kv splits per request (0 = the kernel chooses).
+        max_page_id: the largest page id any request uses (the plan's; checked in O(1)
+            against the cache's page count), or -1: the op checks every used block_table entry.
+        isa: the ISA level that runs it (None: the selected level).
 
     Returns:
         o_lat: [T, H, r] in q's dtype; lse: [T, H] float32 (natural log).
@@ -51,8 +60,7 @@ def absorbed_attention(
     Query row j of request i sits at position kv_len_i - n_i + j and attends causally to kv
     positions 0 .. kv_len_i - n_i + j. Scores and softmax are fp32.
     """
-    require()
-    return torch.ops.mla_backend.native_absorbed_attention(
+    return op_namespace(isa).native_absorbed_attention(
         q_lat,
         q_pe,
         kv_cache,
@@ -62,6 +70,7 @@ def absorbed_attention(
         float(softmax_scale),
         kv_scale,
         int(num_kv_splits),
+        int(max_page_id),
     )
 
 
@@ -71,6 +80,8 @@ def write_latent(
     k_pe: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    *,
+    isa: str | None = None,
 ) -> None:
     """Write ``[c_kv ; k_pe]`` into the paged cache, in place.
 
@@ -86,11 +97,10 @@ def write_latent(
         kv_scale: float32 0-d tensor (fp8 cache only): stored = clamp(value / kv_scale, -448,
             448) rounded to nearest-even e4m3, bit-identical to torch's ``.to(float8_e4m3fn)``.
     """
-    require()
-    torch.ops.mla_backend.native_write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
+    op_namespace(isa).native_write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
 
 
-def pack_heads(w: torch.Tensor) -> torch.Tensor:
+def pack_heads(w: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
     """Pack a per-head weight once for :func:`head_gemm`.
 
     Args:
@@ -99,11 +109,12 @@ def pack_heads(w: torch.Tensor) -> torch.Tensor:
         [H, ceil(N / 64), ceil(K / 2), 64, 2] bfloat16: VNNI pairs of rows in blocks of 64
         columns, zero-padded (same element count as ``w`` up to the padding).
     """
-    require()
-    return torch.ops.mla_backend.native_pack_heads(w)
+    return op_namespace(isa).native_pack_heads(w)
 
 
-def head_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+def head_gemm(
+    x: torch.Tensor, packed: torch.Tensor, n: int, *, isa: str | None = None
+) -> torch.Tensor:
     """``y[t, h] = x[t, h] · w[h]`` for every head, w given packed (:func:`pack_heads`).
 
     Args:
@@ -113,12 +124,17 @@ def head_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     Returns:
         y: [T, H, N] bfloat16, contiguous; fp32 sums, rounded once (nearest even).
     """
-    require()
-    return torch.ops.mla_backend.native_head_gemm(x, packed, int(n))
+    return op_namespace(isa).native_head_gemm(x, packed, int(n))
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-head attention with its log-sum-exp (the normal path's MHA), bf16, any ISA level.
 
@@ -132,12 +148,16 @@ def attention_with_lse(
         CPU has bf16 dot products), lse
         [H, Lq] float32 (natural log; -inf and o = 0 for a row that sees no key).
     """
-    require()
-    return torch.ops.mla_backend.native_attention_with_lse(q, k, v, bool(causal), float(scale))
+    return op_namespace(isa).native_attention_with_lse(q, k, v, bool(causal), float(scale))
 
 
 def decompress(
-    c_kv: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    W_UK: torch.Tensor,
+    W_UV: torch.Tensor,
+    *,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The normal path's decompression, bf16 (fp32 sums, one rounding; no packed weight copy:
     c_kv is packed per call, L * r bf16 of scratch).
@@ -145,10 +165,10 @@ def decompress(
     Args:
         c_kv: [L, r]; k_pe: [L, rope]; bfloat16, last dims contiguous (any row stride).
         W_UK: [H, nope, r]; W_UV: [H, r, v]; bfloat16, any strides.
+        isa: the ISA level that runs it (None: the selected level).
     Returns:
         k [H, L, nope + rope] = ``[c_kv·W_UK[h]^T ; k_pe]``, v [H, L, v] = ``c_kv·W_UV[h]``,
         bfloat16 views of contiguous [L, H, ...] buffers.
     """
-    require()
-    k, v = torch.ops.mla_backend.native_decompress(c_kv, k_pe, W_UK, W_UV)
+    k, v = op_namespace(isa).native_decompress(c_kv, k_pe, W_UK, W_UV)
     return k.transpose(0, 1), v.transpose(0, 1)

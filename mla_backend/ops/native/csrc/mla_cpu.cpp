@@ -118,246 +118,218 @@ inline int64_t row_offset(const Params& P, int64_t i, int64_t pos) {
 }
 
 inline void prefetch_row(const char* p, int64_t bytes) {
-#ifdef MLA_AVX512
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-#else
-  (void)p;
-  (void)bytes;
-#endif
+  for (int64_t b = 0; b < bytes; b += 64) vec::prefetch_l2(p + b);
 }
 
+// ---- fp32 <-> storage dtype rows, through the vector layer --------------------------------
+using vec::VecF;
+constexpr int kW = VecF::W;
+
+inline VecF load_f32(const float* p, int n) { return n >= kW ? VecF::load(p) : VecF::load_n(p, n); }
+inline VecF load_f32(const c10::BFloat16* p, int n) {
+  const auto* u = reinterpret_cast<const uint16_t*>(p);
+  return n >= kW ? VecF::load_bf16(u) : VecF::load_bf16_n(u, n);
+}
+inline VecF load_f32(const c10::Half* p, int n) {
+  const auto* u = reinterpret_cast<const uint16_t*>(p);
+  return n >= kW ? VecF::load_fp16(u) : VecF::load_fp16_n(u, n);
+}
+inline void store_f32(float* p, VecF v, int n) {
+  if (n >= kW) v.store(p);
+  else v.store_n(p, n);
+}
+inline void store_f32(c10::BFloat16* p, VecF v, int n) {
+  v.store_bf16_n(reinterpret_cast<uint16_t*>(p), n);
+}
+inline void store_f32(c10::Half* p, VecF v, int n) { v.store_fp16_n(reinterpret_cast<uint16_t*>(p), n); }
+
+// dst[0, n) = float(src[0, n))
+template <typename T>
+inline void widen_row(float* dst, const T* src, int64_t n) {
+  for (int64_t d = 0; d < n; d += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - d));
+    store_f32(dst + d, load_f32(src + d, k), k);
+  }
+}
+
+// dst[0, n) = T(src[0, n) * mul), rounded to nearest even
 template <typename T>
 inline void store_row(T* dst, const float* src, int64_t n, float mul) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d] * mul);
+  const VecF m = VecF::set1(mul);
+  for (int64_t d = 0; d < n; d += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - d));
+    store_f32(dst + d, load_f32(src + d, k) * m, k);
+  }
 }
 
-// ---- softmax over one score tile (shared by the engines) ---------------------------------
+// dst[0, n) = e4m3(src[0, n)) * mul (mul = 256 x scale: e4m3 / 256 is exact)
+inline void widen_e4m3_row(float* dst, const uint8_t* src, int64_t n, float mul) {
+  const VecF m = VecF::set1(mul);
+  for (int64_t d = 0; d < n; d += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - d));
+    const VecF x = k >= kW ? VecF::load_e4m3_div256(src + d) : VecF::load_e4m3_div256_n(src + d, k);
+    store_f32(dst + d, x * m, k);
+  }
+}
+
+// ---- softmax over one score tile (the fp32 engine's) --------------------------------------
 // S [rows][kTileN] raw dot products -> probabilities (fp32, unnormalised, 0 where masked).
 inline void softmax_tile(float* S, int rows, int nt, int ntp, const int64_t* lim, int64_t t0,
                          float sc, float* mrow, float* lrow, float* alpha) {
+  const VecF vsc = VecF::set1(sc);
   for (int m = 0; m < rows; ++m) {
     float* row = S + static_cast<int64_t>(m) * kTileN;
-    int64_t vc64 = std::min<int64_t>(std::max<int64_t>(lim[m] - t0, 0), nt);
-    int vc = static_cast<int>(vc64);
+    const int vc = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lim[m] - t0, 0), nt));
     if (vc == 0) {
       std::fill(row, row + ntp, 0.0f);
       alpha[m] = 1.0f;
       continue;
     }
-    float mx = kNegInf;
-    int c = 0;
-#ifdef MLA_AVX512
-    {
-      __m512 vsc = _mm512_set1_ps(sc), vmx = _mm512_set1_ps(kNegInf);
-      for (; c + 16 <= vc; c += 16)
-        vmx = _mm512_max_ps(vmx, _mm512_mul_ps(_mm512_loadu_ps(row + c), vsc));
-      if (c < vc) {
-        __mmask16 k = static_cast<__mmask16>((1u << (vc - c)) - 1);
-        vmx = _mm512_mask_max_ps(vmx, k, vmx, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, row + c), vsc));
-      }
-      mx = _mm512_reduce_max_ps(vmx);
+    VecF vmx = VecF::set1(kNegInf);
+    for (int c = 0; c < vc; c += kW) {
+      const int k = std::min(kW, vc - c);
+      // the row is kTileN long: whole vectors are readable (lanes past vc are masked)
+      vmx = vec::max(vmx, vec::select_first(VecF::load(row + c) * vsc, k, kNegInf));
     }
-#else
-    for (; c < vc; ++c) mx = std::max(mx, row[c] * sc);
-#endif
-    float mnew = std::max(mrow[m], mx);
-    float a = (mrow[m] == kNegInf) ? 0.0f : std::exp(mrow[m] - mnew);
-    float sum = 0.0f;
-#ifdef MLA_AVX512
-    {
-      __m512 vsc = _mm512_set1_ps(sc), vm = _mm512_set1_ps(mnew), vs = _mm512_setzero_ps();
-      for (c = 0; c < ntp; c += 16) {
-        int left = vc - c;
-        __mmask16 k = left >= 16 ? 0xffff : (left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1));
-        __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(row + c), vsc, vm);
-        __m512 p = _mm512_maskz_mov_ps(k, exp512(x));
-        vs = _mm512_add_ps(vs, p);
-        _mm512_storeu_ps(row + c, p);
-      }
-      sum = _mm512_reduce_add_ps(vs);
+    const float mx = vec::hmax(vmx);
+    const float mnew = std::max(mrow[m], mx);
+    const float a = (mrow[m] == kNegInf) ? 0.0f : std::exp(mrow[m] - mnew);
+    const VecF vm = VecF::set1(mnew);
+    VecF vs = VecF::zero();
+    for (int c = 0; c < ntp; c += kW) {
+      const VecF p = vec::keep_first(vec::exp(vec::fma(VecF::load(row + c), vsc, VecF::zero() - vm)), vc - c);
+      vs = vs + p;
+      p.store(row + c);
     }
-#else
-    for (c = 0; c < vc; ++c) {
-      float p = std::exp(row[c] * sc - mnew);
-      row[c] = p;
-      sum += p;
-    }
-    for (; c < ntp; ++c) row[c] = 0.0f;
-#endif
-    lrow[m] = lrow[m] * a + sum;
+    lrow[m] = lrow[m] * a + vec::hsum(vs);
     mrow[m] = mnew;
     alpha[m] = a;
   }
 }
 
-// ---- fp32 engine (any dtype; the portable path) ------------------------------------------
+// ---- fp32 engine (any dtype and level; over the vector layer) ----------------------------
 // kMode: kPlain (cache of CT = q's dtype), kFp8 (e4m3 rows, per-tensor scale folded into
 // score_scale / out_scale) or kDs (fp8_ds_mla rows: each tile times its own scale, k_pe as QT).
+// The tile is widened to fp32 in an L1 scratch whose rows are zero padded to Dk (a multiple
+// of the P.V column block), q rows likewise: the hot loops read whole vectors only.
 template <typename QT, typename CT, int kMode>
 struct F32Engine {
+#if defined(MLA_HAS_AVX512)
+  static constexpr int NQ = 4, NK = 4, MR = 6, NC = 4;  // 32 zmm registers
+#else
+  static constexpr int NQ = 4, NK = 3, MR = 4, NC = 3;  // 16 ymm registers
+#endif
+  static constexpr int kCB = NC * kW;  // P.V output columns per block
   const Params& P;
-  int64_t D, r;
-  float* Q;  // [kMaxRows][D]
-  float* K;  // [kTileN][D]
-  float* O;  // [kMaxRows][r]
+  int64_t D, r, Dk, rp;
+  float* Q;     // [kMaxRows][Dk]
+  float* K;     // [kTileN + NK][Dk]
+  float* O;     // [kMaxRows][rp]
+  float* zrow;  // [Dk] zeros
 
   explicit F32Engine(const Params& p) : P(p), D(p.D), r(p.r) {
-    Q = tl_scratch.q.get<float>(kMaxRows * D);
-    K = tl_scratch.k.get<float>(kTileN * D);
-    O = tl_scratch.o.get<float>(kMaxRows * r);
+    rp = round_up(r, kCB);
+    Dk = std::max<int64_t>(round_up(D, kW), rp);
+    Q = tl_scratch.q.get<float>(kMaxRows * Dk);
+    K = tl_scratch.k.get<float>((kTileN + NK) * Dk + Dk);
+    O = tl_scratch.o.get<float>(kMaxRows * rp);
+    zrow = K + (kTileN + NK) * Dk;
+    std::fill(zrow, zrow + Dk, 0.0f);
+    for (int c = 0; c < kTileN + NK; ++c) std::fill(K + c * Dk + D, K + (c + 1) * Dk, 0.0f);
   }
   int pad_rows(int rows) { return rows; }
-  int64_t o_stride() const { return r; }
 
   void load_q(int m, const char* ql, const char* qp) {
-    float* dst = Q + m * D;
-    const QT* a = reinterpret_cast<const QT*>(ql);
-    const QT* b = reinterpret_cast<const QT*>(qp);
-    for (int64_t d = 0; d < r; ++d) dst[d] = static_cast<float>(a[d]);
-    for (int64_t d = 0; d < P.rope; ++d) dst[r + d] = static_cast<float>(b[d]);
+    float* dst = Q + m * Dk;
+    widen_row(dst, reinterpret_cast<const QT*>(ql), r);
+    widen_row(dst + r, reinterpret_cast<const QT*>(qp), P.rope);
+    std::fill(dst + D, dst + Dk, 0.0f);
   }
-  void zero_q(int m) { std::fill(Q + m * D, Q + (m + 1) * D, 0.0f); }
-  void start_item(int rows) { std::fill(O, O + rows * r, 0.0f); }
+  void zero_q(int m) { std::fill(Q + m * Dk, Q + (m + 1) * Dk, 0.0f); }
+  void start_item(int rows) { std::fill(O, O + rows * rp, 0.0f); }
+  const float* orow(int m) const { return O + m * rp; }
 
   void compute_tile(int rows, int nt, int64_t t0, const int64_t* lim, float sc, float* mrow,
                     float* lrow) {
     float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + kMaxRows);
     float* alpha = S + kMaxRows * kTileN;
     scores(rows, nt, S);
-    softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, 4)), lim, t0, sc, mrow, lrow, alpha);
+    softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
     pv(rows, nt, S, alpha);
   }
-  const float* orow(int m) const { return O + m * r; }
 
   void load_tile(const int64_t* offs, int nt) {
     for (int c = 0; c < nt; ++c) {
-      float* dst = K + static_cast<int64_t>(c) * D;
+      float* dst = K + static_cast<int64_t>(c) * Dk;
       const char* src = P.cache + offs[c];
       if constexpr (kMode == kFp8) {
-        const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
-        int64_t d = 0;
-#ifdef MLA_AVX512
-        const __m512 u = _mm512_set1_ps(kFp8Unscale);
-        for (; d < D; d += 16) {
-          const int64_t left = D - d;
-          const __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-          _mm512_mask_storeu_ps(dst + d, k, _mm512_mul_ps(fp8x16_to_f32_div256(s8 + d, k), u));
-        }
-#endif
-        for (; d < D; ++d) dst[d] = fp8_to_f32(s8[d]);
+        widen_e4m3_row(dst, reinterpret_cast<const uint8_t*>(src), D, kFp8Unscale);
       } else if constexpr (kMode == kDs) {  // value * tile scale: fp32's rounding of v * s
         const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
         for (int64_t t = 0; t < P.tiles; ++t) {
           float st;
           std::memcpy(&st, src + P.ds_scale_off + 4 * t, 4);
-          const int64_t d1 = std::min<int64_t>(r, (t + 1) * kDsTile);
-          int64_t d = t * kDsTile;
-#ifdef MLA_AVX512
+          const int64_t d0 = t * kDsTile, d1 = std::min<int64_t>(r, d0 + kDsTile);
           // (v / 256) * (256 s) is the same real number as v * s, so the same fp32 rounding
-          const __m512 vs = _mm512_set1_ps(st * kFp8Unscale);
-          for (; d < d1; d += 16) {
-            const int64_t left = d1 - d;
-            const __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-            _mm512_mask_storeu_ps(dst + d, k, _mm512_mul_ps(fp8x16_to_f32_div256(s8 + d, k), vs));
-          }
-#endif
-          for (; d < d1; ++d) dst[d] = fp8_to_f32(s8[d]) * st;
+          widen_e4m3_row(dst + d0, s8 + d0, d1 - d0, st * kFp8Unscale);
         }
-        const QT* kp = reinterpret_cast<const QT*>(src + P.ds_rope_off);
-        for (int64_t d = 0; d < P.rope; ++d) dst[r + d] = static_cast<float>(kp[d]);
+        widen_row(dst + r, reinterpret_cast<const QT*>(src + P.ds_rope_off), P.rope);
       } else {
-        const CT* s = reinterpret_cast<const CT*>(src);
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(s[d]);
+        widen_row(dst, reinterpret_cast<const CT*>(src), D);
       }
     }
   }
 
-  static inline float dot(const float* a, const float* b, int64_t n) {
-#ifdef MLA_AVX512
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t d = 0;
-    for (; d + 32 <= n; d += 32) {
-      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), acc1);
-    }
-    for (; d < n; d += 16) {
-      int64_t left = n - d;
-      __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-      acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + d), _mm512_maskz_loadu_ps(k, b + d), acc0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#else
-    float acc[16] = {0};
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16)
-      for (int l = 0; l < 16; ++l) acc[l] += a[d + l] * b[d + l];
-    float s = 0.0f;
-    for (; d < n; ++d) s += a[d] * b[d];
-    for (int l = 0; l < 16; ++l) s += acc[l];
-    return s;
-#endif
-  }
-
-#ifdef MLA_AVX512
-  // 4 query rows x 4 kv rows per block, fp32 FMAs over the row, one tree reduction.
+  // NQ query rows x NK kv rows per block, fp32 FMAs over the (padded) row, one reduction.
   void scores(int rows, int nt, float* S) {
-    float* zrow = tl_scratch.zero.get<float>(D);
-    std::fill(zrow, zrow + D, 0.0f);
-    alignas(64) float tmp[16];
-    for (int m0 = 0; m0 < rows; m0 += 4) {
-      const float* q[4];
-      for (int i = 0; i < 4; ++i) q[i] = m0 + i < rows ? Q + (m0 + i) * D : zrow;
-      for (int c0 = 0; c0 < nt; c0 += 4) {
-        const float* k[4];
-        for (int j = 0; j < 4; ++j) k[j] = c0 + j < nt ? K + static_cast<int64_t>(c0 + j) * D : zrow;
-        __m512 acc[16];
-        for (int x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const int64_t left = D - d;
-          const __mmask16 msk = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-          __m512 qv[4], kv[4];
-          for (int i = 0; i < 4; ++i) qv[i] = _mm512_maskz_loadu_ps(msk, q[i] + d);
-          for (int j = 0; j < 4; ++j) kv[j] = _mm512_maskz_loadu_ps(msk, k[j] + d);
-          for (int i = 0; i < 4; ++i)
-            for (int j = 0; j < 4; ++j) acc[i * 4 + j] = _mm512_fmadd_ps(qv[i], kv[j], acc[i * 4 + j]);
+    alignas(64) float tmp[NQ * NK + kW];
+    for (int m0 = 0; m0 < rows; m0 += NQ) {
+      const float* q[NQ];
+      for (int i = 0; i < NQ; ++i) q[i] = m0 + i < rows ? Q + (m0 + i) * Dk : zrow;
+      for (int c0 = 0; c0 < nt; c0 += NK) {
+        const float* k[NK];
+        for (int j = 0; j < NK; ++j) k[j] = c0 + j < nt ? K + static_cast<int64_t>(c0 + j) * Dk : zrow;
+        VecF acc[NQ * NK];
+        for (int x = 0; x < NQ * NK; ++x) acc[x] = VecF::zero();
+        for (int64_t d = 0; d < Dk; d += kW) {
+          VecF kv[NK];
+          for (int j = 0; j < NK; ++j) kv[j] = VecF::load(k[j] + d);
+          for (int i = 0; i < NQ; ++i) {
+            const VecF qv = VecF::load(q[i] + d);
+            for (int j = 0; j < NK; ++j) acc[i * NK + j] = vec::fma(qv, kv[j], acc[i * NK + j]);
+          }
         }
-        _mm512_store_ps(tmp, reduce16(acc));
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) S[(m0 + i) * kTileN + c0 + j] = tmp[i * 4 + j];
+        vec::hsum_many<NQ * NK>(acc, tmp);
+        for (int i = 0; i < NQ && m0 + i < rows; ++i)
+          for (int j = 0; j < NK && c0 + j < nt; ++j) S[(m0 + i) * kTileN + c0 + j] = tmp[i * NK + j];
       }
     }
   }
 
-  template <int MR>
+  template <int M>
   void pv_kernel(int m0, int64_t c0, int nt, const float* Pm, const float* alpha) {
-    __mmask16 msk[4];
-    for (int j = 0; j < 4; ++j) {
-      int64_t left = r - (c0 + 16 * j);
-      msk[j] = left >= 16 ? 0xffff : (left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1));
-    }
-    __m512 acc[MR][4];
-    for (int i = 0; i < MR; ++i) {
-      const __m512 a = _mm512_set1_ps(alpha[m0 + i]);
-      for (int j = 0; j < 4; ++j)
-        acc[i][j] = _mm512_mul_ps(_mm512_maskz_loadu_ps(msk[j], O + (m0 + i) * r + c0 + 16 * j), a);
+    VecF acc[M][NC];
+    for (int i = 0; i < M; ++i) {
+      const VecF a = VecF::set1(alpha[m0 + i]);
+      for (int j = 0; j < NC; ++j) acc[i][j] = VecF::load(O + (m0 + i) * rp + c0 + kW * j) * a;
     }
     for (int n = 0; n < nt; ++n) {
-      const float* v = K + static_cast<int64_t>(n) * D + c0;
-      __m512 vv[4];
-      for (int j = 0; j < 4; ++j) vv[j] = _mm512_maskz_loadu_ps(msk[j], v + 16 * j);
-      for (int i = 0; i < MR; ++i) {
-        const __m512 p = _mm512_set1_ps(Pm[(m0 + i) * kTileN + n]);
-        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(p, vv[j], acc[i][j]);
+      const float* v = K + static_cast<int64_t>(n) * Dk + c0;
+      VecF vv[NC];
+      for (int j = 0; j < NC; ++j) vv[j] = VecF::load(v + kW * j);
+      for (int i = 0; i < M; ++i) {
+        const VecF p = VecF::set1(Pm[(m0 + i) * kTileN + n]);
+        for (int j = 0; j < NC; ++j) acc[i][j] = vec::fma(p, vv[j], acc[i][j]);
       }
     }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(O + (m0 + i) * r + c0 + 16 * j, msk[j], acc[i][j]);
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < NC; ++j) acc[i][j].store(O + (m0 + i) * rp + c0 + kW * j);
   }
 
   void pv(int rows, int nt, const float* Pm, const float* alpha) {
-    for (int64_t c0 = 0; c0 < r; c0 += 64) {
+    for (int64_t c0 = 0; c0 < rp; c0 += kCB) {
       int m0 = 0;
-      for (; m0 + 6 <= rows; m0 += 6) pv_kernel<6>(m0, c0, nt, Pm, alpha);
+      for (; m0 + MR <= rows; m0 += MR) pv_kernel<MR>(m0, c0, nt, Pm, alpha);
       switch (rows - m0) {
         case 5: pv_kernel<5>(m0, c0, nt, Pm, alpha); break;
         case 4: pv_kernel<4>(m0, c0, nt, Pm, alpha); break;
@@ -368,30 +340,7 @@ struct F32Engine {
       }
     }
   }
-#else
-  void scores(int rows, int nt, float* S) {
-    for (int m = 0; m < rows; ++m)
-      for (int c = 0; c < nt; ++c) S[m * kTileN + c] = dot(Q + m * D, K + c * D, D);
-  }
-
-  void pv(int rows, int nt, const float* Pm, const float* alpha) {
-    for (int m = 0; m < rows; ++m) {
-      float* o = O + m * r;
-      float a = alpha[m];
-      if (a != 1.0f)
-        for (int64_t d = 0; d < r; ++d) o[d] *= a;
-      const float* prow = Pm + m * kTileN;
-      for (int c = 0; c < nt; ++c) {
-        float p = prow[c];
-        if (p == 0.0f) continue;
-        const float* v = K + static_cast<int64_t>(c) * D;
-        for (int64_t d = 0; d < r; ++d) o[d] += p * v[d];
-      }
-    }
-  }
-#endif
 };
-
 #ifdef MLA_AVX512BF16
 // ---- AVX512-BF16 engine (q bf16; cache bf16, fp8 or fp8_ds_mla) -------------------------
 // Query rows live in SIMD lanes (16 rows per vector, one or two vectors per item): q is
@@ -854,8 +803,6 @@ struct DsLayout {
         width(round_up(r, 4) + 4 * ceil_div(r, kDsTile) + rope * es) {}
 };
 
-// e4m3 of a float as torch's .to(float8_e4m3fn) (round to nearest even; the callers clamp).
-inline uint8_t to_e4m3(float v) { return c10::Float8_e4m3fn(v).x; }
 
 }  // namespace
 
@@ -863,7 +810,8 @@ inline uint8_t to_e4m3(float v) { return c10::Float8_e4m3fn(v).x; }
 std::tuple<at::Tensor, at::Tensor> absorbed_attention(
     const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, const at::Tensor& kv_cache,
     const at::Tensor& block_table_in, const at::Tensor& cu_in, const at::Tensor& kv_lens_in,
-    double softmax_scale, const c10::optional<at::Tensor>& kv_scale, int64_t num_kv_splits) {
+    double softmax_scale, const c10::optional<at::Tensor>& kv_scale, int64_t num_kv_splits,
+    int64_t max_page_id) {
   TORCH_CHECK(q_lat_in.device().is_cpu() && q_pe_in.device().is_cpu() && kv_cache.device().is_cpu(),
               "mla native absorbed_attention: tensors must be on the CPU, got q_lat on ",
               q_lat_in.device(), ", kv_cache on ", kv_cache.device());
@@ -940,12 +888,17 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
     if (n == 0) continue;  // nothing of it is read
     TORCH_CHECK(L <= max_pages * page_size, "kv_lens[", i, "] = ", L, " needs more than the ",
                 max_pages, " pages x ", page_size, " tokens of its block_table row");
+    if (max_page_id >= 0) continue;  // the plan's bound, checked once below
     for (int64_t p = 0; p < ceil_div(L, page_size); ++p) {
       int64_t page = btp[i * bt.stride(0) + p];
       TORCH_CHECK(page >= 0 && page < num_pages, "block_table[", i, ", ", p, "] = ", page,
                   " is not a page of the cache (0 .. ", num_pages - 1, ")");
     }
   }
+  // O(1) with the plan's max_page_id (the largest page id any request uses, page ids >= 0
+  // checked by the plan); -1 = unknown: every used block_table entry was checked above.
+  TORCH_CHECK(max_page_id < num_pages, "block_table holds page id ", max_page_id,
+              " (max_page_id) but the cache has ", num_pages, " pages (0 .. ", num_pages - 1, ")");
   TORCH_CHECK(B == 0 ? T == 0 : cup[B] == T, "cu_seqlens_q[-1] = ", B ? cup[B] : 0,
               " must equal the number of query tokens T = ", T);
 
@@ -1081,14 +1034,18 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
 namespace {
 // n floats -> n values of dtype dt (bf16 / fp16 round to nearest even, as torch's .to()).
 void store_as(char* dst, const float* src, int64_t n, at::ScalarType dt) {
-  if (dt == at::kBFloat16) {
-    auto* d = reinterpret_cast<c10::BFloat16*>(dst);
-    for (int64_t k = 0; k < n; ++k) d[k] = c10::BFloat16(src[k]);
-  } else if (dt == at::kHalf) {
-    auto* d = reinterpret_cast<c10::Half*>(dst);
-    for (int64_t k = 0; k < n; ++k) d[k] = c10::Half(src[k]);
-  } else {
-    std::memcpy(dst, src, n * sizeof(float));
+  if (dt == at::kBFloat16) store_row(reinterpret_cast<c10::BFloat16*>(dst), src, n, 1.0f);
+  else if (dt == at::kHalf) store_row(reinterpret_cast<c10::Half*>(dst), src, n, 1.0f);
+  else std::memcpy(dst, src, n * sizeof(float));
+}
+
+// dst[0, n) = e4m3(clamp(x[0, n) / div, -448, 448)) (NaN passes the clamp, like torch.clamp;
+// the same fp32 division as torch's value.float() / scale)
+inline void store_e4m3_row(uint8_t* dst, const float* x, int64_t n, float div) {
+  const VecF vd = VecF::set1(div);
+  for (int64_t j = 0; j < n; j += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - j));
+    vec::clamp_nan_through(load_f32(x + j, k) / vd, -448.0f, 448.0f).store_e4m3_n(dst + j, k);
   }
 }
 
@@ -1100,23 +1057,18 @@ void write_ds_row(uint8_t* dst, const float* x, const float* kp, int64_t r, int6
                   const DsLayout& L, at::ScalarType rope_dt) {
   for (int64_t t = 0; t < L.tiles; ++t) {
     const int64_t j0 = t * kDsTile, j1 = std::min<int64_t>(r, j0 + kDsTile);
-    float amax = 0.0f;  // the padding of a partial tile is 0
-    for (int64_t j = j0; j < j1; ++j) {
-      const float a = std::fabs(x[j]);
-      if (std::isnan(a)) {  // torch.amax gives the default NaN, whatever the input's payload
-        amax = std::numeric_limits<float>::quiet_NaN();
-        break;
-      }
-      amax = std::max(amax, a);
+    VecF vmax = VecF::zero();  // the padding of a partial tile is 0
+    bool nan = false;
+    for (int64_t j = j0; j < j1; j += kW) {
+      const VecF a = vec::abs(load_f32(x + j, static_cast<int>(std::min<int64_t>(kW, j1 - j))));
+      nan = nan || vec::any_nan(a);
+      vmax = vec::max(vmax, a);
     }
+    // torch.amax gives the default NaN, whatever the input's payload
+    const float amax = nan ? std::numeric_limits<float>::quiet_NaN() : vec::hmax(vmax);
     float sc = amax / 448.0f;
     if (!std::isnan(sc)) sc = std::max(sc, std::numeric_limits<float>::min());
-    for (int64_t j = j0; j < j1; ++j) {
-      float v = x[j] / sc;
-      if (v > 448.0f) v = 448.0f;
-      else if (v < -448.0f) v = -448.0f;  // NaN passes through, like torch.clamp
-      dst[j] = to_e4m3(v);
-    }
+    store_e4m3_row(dst + j0, x + j0, j1 - j0, sc);
     std::memcpy(dst + L.scale_off + 4 * t, &sc, 4);
   }
   std::memset(dst + r, 0, L.scale_off - r);
@@ -1192,13 +1144,7 @@ void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const a
       std::memcpy(row.data(), cp + t * r, r * sizeof(float));
       if (rope) std::memcpy(row.data() + r, kp + t * rope, rope * sizeof(float));
       if (fp8) {
-        uint8_t* d8 = reinterpret_cast<uint8_t*>(dst);
-        for (int64_t d = 0; d < D; ++d) {
-          float v = row[d] / kvs;  // the same fp32 division as torch's value.float() / kv_scale
-          if (v > 448.0f) v = 448.0f;
-          else if (v < -448.0f) v = -448.0f;  // NaN passes through, like torch.clamp
-          d8[d] = c10::Float8_e4m3fn(v).x;
-        }
+        store_e4m3_row(reinterpret_cast<uint8_t*>(dst), row.data(), D, kvs);
       } else {
         store_as(dst, row.data(), D, cdt);
       }
@@ -1226,18 +1172,7 @@ at::Tensor fp8_decode(const at::Tensor& bytes_in, bool bf16) {
     for (; d < n; ++d) dst[d] = static_cast<float>(c10::BFloat16(tmp[d], c10::BFloat16::from_bits()));
   }
 #endif
-#ifdef MLA_AVX512
-  for (; d < n; d += 16) {
-    const int64_t left = n - d;
-    const __mmask16 m = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    _mm512_mask_storeu_ps(dst + d, m, _mm512_mul_ps(fp8x16_to_f32_div256(src + d, m),
-                                                    _mm512_set1_ps(kFp8Unscale)));
-  }
-#endif
-  for (; d < n; ++d) {
-    const uint8_t b = src[d];
-    dst[d] = (b & 0x7f) == 0x7f ? ((b & 0x80) ? -480.0f : 480.0f) : fp8_to_f32(b);
-  }
+  widen_e4m3_row(dst + d, src + d, n - d, kFp8Unscale);  // the fp32 engine's decode
   (void)bf16;
   return out;
 }
@@ -1253,11 +1188,11 @@ int64_t simd_info() {
 
 }  // namespace mla_native
 
-TORCH_LIBRARY_FRAGMENT(mla_backend, m) {
+TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def(
       "native_absorbed_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_lens, float softmax_scale, Tensor? kv_scale=None, "
-      "int num_kv_splits=0) -> (Tensor, Tensor)");
+      "int num_kv_splits=0, int max_page_id=-1) -> (Tensor, Tensor)");
   m.def(
       "native_write_latent(Tensor(a!) kv_cache, Tensor c_kv, Tensor k_pe, Tensor slot_mapping, "
       "Tensor? kv_scale=None) -> ()");
@@ -1265,7 +1200,7 @@ TORCH_LIBRARY_FRAGMENT(mla_backend, m) {
   m.def("native_fp8_decode(Tensor bytes, bool bf16) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mla_backend, CPU, m) {
+TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_absorbed_attention", &mla_native::absorbed_attention);
   m.impl("native_write_latent", &mla_native::write_latent);
   m.impl("native_fp8_decode", &mla_native::fp8_decode);

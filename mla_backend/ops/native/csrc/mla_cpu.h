@@ -1,8 +1,18 @@
-// Small SIMD helpers shared by the native MLA CPU kernels (mla_cpu.cpp).
+// Small SIMD helpers shared by the native MLA CPU kernels (mla_cpu.cpp, head_gemm.cpp,
+// mha_prefill.cpp), and the ISA level's macros.
 //
-// Everything has an AVX-512 fast path (compiled with -march=native) and a portable scalar
-// fallback, so the extension builds on any x86-64 compiler that torch supports.
+// build.py compiles every source once per ISA level with explicit flags and the macros
+// MLA_ISA_<LEVEL> (exactly one of SCALAR / AVX2 / AVX512 / AVX512BF16 / AMX), the cumulative
+// MLA_HAS_AVX2 / MLA_HAS_AVX512 / MLA_HAS_AVX512BF16 / MLA_HAS_AMX, and MLA_OPS_NS, the
+// torch.library namespace of the level's ops (mla_backend_<level>). The C++ namespace
+// mla_native is renamed per level on the command line, so levels load side by side.
+// Code below keys on MLA_AVX512 (AVX-512 F/BW/VL/DQ) and MLA_AVX512BF16; the vector layer
+// (vec.h) covers AVX2 and the portable build.
 #pragma once
+
+#ifndef MLA_OPS_NS
+#define MLA_OPS_NS mla_backend_scalar  // a build outside build.py: the portable level
+#endif
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -13,17 +23,26 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "vec.h"
+
+#if defined(MLA_HAS_AVX512)
 #include <immintrin.h>
 #define MLA_AVX512 1
 #endif
-#if defined(MLA_AVX512) && defined(__AVX512BF16__)
+#if defined(MLA_HAS_AVX512BF16)
+#if !defined(MLA_HAS_AVX512) || !defined(__AVX512BF16__)
+#error "MLA_HAS_AVX512BF16 needs MLA_HAS_AVX512 and -mavx512bf16"
+#endif
 #define MLA_AVX512BF16 1
+#endif
+#if defined(MLA_HAS_AMX) && !(defined(MLA_HAS_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
+#error "MLA_HAS_AMX needs MLA_HAS_AVX512BF16 and -mamx-tile -mamx-bf16"
 #endif
 
 namespace mla_native {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using vec::kFp8Unscale;
 
 // ---- scalar conversions -----------------------------------------------------------------
 template <typename T>
@@ -86,7 +105,6 @@ inline __m512 reduce16(const __m512* v) {
 // fp16 subnormals whatever MXCSR.DAZ says) widens it to fp32. The fp32 engine multiplies by 256
 // (per-tensor fp8) or by 256 x the tile scale (fp8_ds_mla: the same real number as value x
 // scale, so the same fp32 rounding).
-constexpr float kFp8Unscale = 256.0f;
 
 // 16 e4m3 bytes (mask selects the bytes read; the others decode as +0) -> 16 floats =
 // value / 256 exactly.
