@@ -473,16 +473,24 @@ inline void gemm(const APanel& a, const uint16_t* b, int64_t ldb, int64_t ncols,
   }
 }
 
-// dst[m * drow + n * dcol] = bf16(C[m, n]) for m < M, n < N.
+// dst[m * drow + n * dcol] = bf16(C[m, n]) for m < M, n < N. Rows are rounded with vector
+// stores; a transposed destination (dcol != 1: M <= kMaxRows, N <= kCols) goes through a bf16
+// tile copied column by column.
 inline void store_bf16(const float* c, int64_t ldc, int M, int64_t N, uint16_t* dst, int64_t drow,
                        int64_t dcol) {
+  uint16_t tile[kMaxRows * kCols];
+  const bool direct = dcol == 1;
   for (int m = 0; m < M; ++m) {
     const float* cr = c + m * ldc;
-    uint16_t* d = dst + m * drow;
+    uint16_t* d = direct ? dst + m * drow : tile + m * kCols;
     int64_t n = 0;
-    if (dcol == 1)
-      for (; n + VF::W <= N; n += VF::W) VF::store_bf16(d + n, VF::load(cr + n));
-    for (; n < N; ++n) d[n * dcol] = f32_to_bf16(cr[n]);
+    for (; n + VF::W <= N; n += VF::W) VF::store_bf16(d + n, VF::load(cr + n));
+    for (; n < N; ++n) d[n] = f32_to_bf16(cr[n]);
+  }
+  if (direct) return;
+  for (int64_t n = 0; n < N; ++n) {
+    uint16_t* d = dst + n * dcol;
+    for (int m = 0; m < M; ++m) d[m * drow] = tile[m * kCols + n];
   }
 }
 
