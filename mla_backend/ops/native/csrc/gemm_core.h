@@ -189,7 +189,7 @@ struct VF {  // one lane: the portable build
   static T mul(T a, T b) { return a * b; }
   static T max(T a, T b) { return a > b ? a : b; }
   static T min(T a, T b) { return a < b ? a : b; }
-  static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+  static T fma(T a, T b, T c) { return a * b + c; }  // std::fma is a libm call without FMA
   static T round(T x) { return std::nearbyint(x); }
   static T pow2i(T n) { return std::ldexp(1.0f, static_cast<int>(n)); }
   static T zero_where_le(T v, T x, float lo) { return x > lo ? v : 0.0f; }
