@@ -6,7 +6,16 @@
   ops under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
 - :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
 - :mod:`.kernels`: :class:`Kernels`, the :class:`mla_backend.ops.KernelImpl` over them;
-- ``csrc/``: the C++ sources.
+- ``csrc/``: the C++ sources: ``vec.h`` (the vector layer: fp32 vectors of the level's width,
+  AVX-512 / AVX2 + FMA + F16C / portable, with bf16 / fp16 / e4m3 widening loads and narrowing
+  stores), ``attention_core.h`` (the torch-free attention and cache-row cores over raw
+  pointers, threads through a callback), ``mla_cpu.cpp`` (the torch layer: checks, the
+  ``torch.library`` registration), ``head_gemm.cpp`` / ``mha_prefill.cpp`` (absorption GEMMs,
+  normal-path MHA).
+
+Engines per level: the fp32 engine (any q / cache dtype; widened tiles, fp32 FMAs) at every
+level over ``vec.h``; at ``avx512_bf16`` and ``amx`` bf16 queries use the bf16 engine
+(``vdpbf16ps``; the ``amx`` level has no tile code yet: it runs the ``avx512_bf16`` kernels).
 
 Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items are
 (request, block of <= 32 query rows = new tokens x heads, kv split); each item streams its

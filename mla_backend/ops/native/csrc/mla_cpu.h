@@ -14,10 +14,6 @@
 #define MLA_OPS_NS mla_backend_scalar  // a build outside build.py: the portable level
 #endif
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Half.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -44,75 +40,9 @@ namespace mla_native {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 using vec::kFp8Unscale;
 
-// ---- scalar conversions -----------------------------------------------------------------
-template <typename T>
-inline float to_f32(T v) {
-  return static_cast<float>(v);
-}
-// float8_e4m3fn stored as raw bytes: exact decode (subnormals included).
-inline float fp8_to_f32(uint8_t b) {
-  return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
-}
-
 #ifdef MLA_AVX512
-// exp(x) for 16 floats; ~1 ulp on the softmax range; x <= -87 gives exactly 0.
-inline __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ);
-  x = _mm512_max_ps(x, lo);
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
-
-// 16 accumulators -> one vector whose lane k is the sum of v[k]'s lanes.
-inline __m512 reduce16(const __m512* v) {
-  __m512 s[8];
-  for (int i = 0; i < 8; ++i) {
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  __m512 t[4];
-  for (int i = 0; i < 4; ++i) {
-    __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                           _mm512_shuffle_f32x4(t[2], t[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// The cheap e4m3 -> fp32 decode: a sign-extended e4m3 byte shifted left by 7 and masked with
-// 0xBF80 is the fp16 whose sign is the byte's sign, whose 5-bit exponent field is the byte's
-// 4-bit one and whose top 3 mantissa bits are the byte's: for a normal byte (exponent e >= 1)
-// that is 2^(e-15) * 1.m = value * 2^-8, for a subnormal one (e = 0) the fp16 subnormal
-// m * 2^-17 = value * 2^-8 as well. So every e4m3 value (NaN bytes 0x7f/0xff excepted: they
-// read as +-480 * 2^-8) becomes exactly value / 256 in fp16, and vcvtph2ps (AVX-512F; exact for
-// fp16 subnormals whatever MXCSR.DAZ says) widens it to fp32. The fp32 engine multiplies by 256
-// (per-tensor fp8) or by 256 x the tile scale (fp8_ds_mla: the same real number as value x
-// scale, so the same fp32 rounding).
-
-// 16 e4m3 bytes (mask selects the bytes read; the others decode as +0) -> 16 floats =
-// value / 256 exactly.
-inline __m512 fp8x16_to_f32_div256(const uint8_t* p, __mmask16 mask) {
-  __m256i x = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(mask, p));
-  x = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
-  return _mm512_cvtph_ps(x);
-}
+// exp(x) for 16 floats (vec::exp): ~1 ulp on the softmax range; x <= -87 gives exactly 0.
+inline __m512 exp512(__m512 x) { return vec::exp(vec::VecF(x)).v; }
 
 // 32 fp8 e4m3fn bytes -> 32 exact bf16 (as uint16 lanes). `mask` selects the bytes to read
 // (the others decode as +0).

@@ -38,6 +38,15 @@ namespace vec {
 
 constexpr float kFp8Unscale = 256.0f;
 
+// storage types of 16-bit floats (bits only; the torch layer's c10::BFloat16 / c10::Half
+// have the same layout)
+struct bf16_t {
+  uint16_t x;
+};
+struct fp16_t {
+  uint16_t x;
+};
+
 // ---- scalar bit conversions (used by every level for odd elements) ------------------------
 inline float bf16_to_f32(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;

@@ -1,0 +1,937 @@
+// Torch-free cores of the native MLA CPU kernels: absorbed attention (decode / extend /
+// speculative verify over a paged latent cache, every cache layout) and the cache-row writers.
+// Plain C++ over raw pointers, strides and sizes (vec.h, mla_cpu.h; no ATen / c10 includes);
+// threading through a callback (Parallel). mla_cpu.cpp checks the tensors, fills Params and
+// registers the torch.library ops; a core can be built and tested outside torch.
+//
+// Shapes and dtypes (Params): q_lat [T, H, r] and q_pe [T, H, rope] of q's dtype (bf16 / fp16 /
+// fp32, last dim contiguous, byte strides ql_s0/ql_s1, qp_s0/qp_s1); the cache: num_pages pages
+// of page_size rows (byte strides c_s0 / c_s1), a row = [c_kv ; k_pe] in q's dtype (kPlain),
+// e4m3 bytes with one per-tensor scale (kFp8), or fp8_ds_mla bytes (kDs: e4m3 c_kv tiles of 128,
+// float32 tile scales at ds_scale_off, k_pe in q's dtype at ds_rope_off); block table bt
+// [B, bt_s0] int32; cu [B + 1], kvl [B] int32; out [T, H, r] contiguous in q's dtype; lse [T, H]
+// float32. The caller has checked every index (pages < num_pages, kv_len <= pages x page_size).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <new>
+#include <utility>
+#include <vector>
+
+#include "mla_cpu.h"
+#include "vec.h"
+
+namespace mla_native {
+namespace core {
+
+enum class DType { kBF16, kF16, kF32 };
+
+// Threads: for_range(n, grain, fn) calls fn(begin, end) over a partition of [0, n), on up to
+// `threads` threads (torch's at::parallel_for in the torch layer; a plain loop is fine).
+struct Parallel {
+  int64_t threads = 1;
+  std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)> for_range =
+      [](int64_t n, int64_t, const std::function<void(int64_t, int64_t)>& fn) {
+        if (n > 0) fn(0, n);
+      };
+};
+
+
+constexpr int kTileN = 64;    // kv tokens per tile
+constexpr int kMaxRows = 32;  // query rows per work item
+constexpr int kDsTile = 128;  // fp8_ds_mla: c_kv values per float32 scale (CacheLayout.FP8_TILE)
+
+// cache formats
+constexpr int kPlain = 0;  // q's dtype
+constexpr int kFp8 = 1;    // float8_e4m3fn, one per-tensor scale
+constexpr int kDs = 2;     // fp8_ds_mla uint8 rows: e4m3 c_kv tiles, float32 tile scales, k_pe
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Thread-local growable aligned scratch (no page faults after the first call).
+struct Buf {
+  void* p = nullptr;
+  size_t n = 0;
+  template <typename T>
+  T* get(size_t count) {
+    size_t bytes = round_up(static_cast<int64_t>(count * sizeof(T)), 64) + 64;
+    if (bytes > n) {
+      std::free(p);
+      p = std::aligned_alloc(64, bytes);
+      if (p == nullptr) throw std::bad_alloc();
+      n = bytes;
+    }
+    return static_cast<T*>(p);
+  }
+  ~Buf() { std::free(p); }
+};
+
+struct Scratch {
+  Buf q, k, v, o, s, pb, zero, misc, ml;
+};
+inline thread_local Scratch tl_scratch;
+
+// ---- problem description ----------------------------------------------------------------
+struct Params {
+  int64_t H, r, rope, D, B, page_size, num_pages;
+  const int32_t* bt;
+  int64_t bt_s0;
+  const int32_t* cu;
+  const int32_t* kvl;
+  const char* qlat;
+  int64_t ql_s0, ql_s1;
+  const char* qpe;
+  int64_t qp_s0, qp_s1;
+  const char* cache;
+  int64_t c_s0, c_s1;  // page / row strides in bytes
+  int64_t row_bytes;   // bytes of one cached row
+  float score_scale;   // softmax_scale * kv_scale
+  float out_scale;     // kv_scale (fp8_ds_mla: 1, its scales are applied per tile)
+  // fp8_ds_mla rows (mla_backend.cache_layout): bytes [0, r) e4m3, [ds_scale_off, +4 * tiles)
+  // float32 tile scales, [ds_rope_off, ...) k_pe in q's dtype
+  int64_t tiles = 0, ds_scale_off = 0, ds_rope_off = 0;
+  char* out;           // [T, H, r] contiguous, q dtype
+  float* lse;          // [T, H]
+  float* part_o;       // [.., r] normalised partial outputs of split requests
+  float* part_lse;
+};
+
+struct Item {
+  int32_t req, row0, nrows, split, nsplit, kv0, kv1;
+  int64_t part_off;  // first partial row of the request
+  int64_t cost;
+};
+
+// Byte offset of kv position `pos` of request `i` in the cache.
+inline int64_t row_offset(const Params& P, int64_t i, int64_t pos) {
+  int64_t page = P.bt[i * P.bt_s0 + pos / P.page_size];
+  return page * P.c_s0 + (pos % P.page_size) * P.c_s1;
+}
+
+inline void prefetch_row(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) vec::prefetch_l2(p + b);
+}
+
+// ---- fp32 <-> storage dtype rows, through the vector layer --------------------------------
+using vec::VecF;
+constexpr int kW = VecF::W;
+
+inline VecF load_f32(const float* p, int n) { return n >= kW ? VecF::load(p) : VecF::load_n(p, n); }
+inline VecF load_f32(const vec::bf16_t* p, int n) {
+  const auto* u = reinterpret_cast<const uint16_t*>(p);
+  return n >= kW ? VecF::load_bf16(u) : VecF::load_bf16_n(u, n);
+}
+inline VecF load_f32(const vec::fp16_t* p, int n) {
+  const auto* u = reinterpret_cast<const uint16_t*>(p);
+  return n >= kW ? VecF::load_fp16(u) : VecF::load_fp16_n(u, n);
+}
+inline void store_f32(float* p, VecF v, int n) {
+  if (n >= kW) v.store(p);
+  else v.store_n(p, n);
+}
+inline void store_f32(vec::bf16_t* p, VecF v, int n) {
+  v.store_bf16_n(reinterpret_cast<uint16_t*>(p), n);
+}
+inline void store_f32(vec::fp16_t* p, VecF v, int n) { v.store_fp16_n(reinterpret_cast<uint16_t*>(p), n); }
+
+// dst[0, n) = float(src[0, n))
+template <typename T>
+inline void widen_row(float* dst, const T* src, int64_t n) {
+  for (int64_t d = 0; d < n; d += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - d));
+    store_f32(dst + d, load_f32(src + d, k), k);
+  }
+}
+
+// dst[0, n) = T(src[0, n) * mul), rounded to nearest even
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n, float mul) {
+  const VecF m = VecF::set1(mul);
+  for (int64_t d = 0; d < n; d += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - d));
+    store_f32(dst + d, load_f32(src + d, k) * m, k);
+  }
+}
+
+// dst[0, n) = e4m3(src[0, n)) * mul (mul = 256 x scale: e4m3 / 256 is exact)
+inline void widen_e4m3_row(float* dst, const uint8_t* src, int64_t n, float mul) {
+  const VecF m = VecF::set1(mul);
+  for (int64_t d = 0; d < n; d += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - d));
+    const VecF x = k >= kW ? VecF::load_e4m3_div256(src + d) : VecF::load_e4m3_div256_n(src + d, k);
+    store_f32(dst + d, x * m, k);
+  }
+}
+
+// ---- softmax over one score tile (the fp32 engine's) --------------------------------------
+// S [rows][kTileN] raw dot products -> probabilities (fp32, unnormalised, 0 where masked).
+inline void softmax_tile(float* S, int rows, int nt, int ntp, const int64_t* lim, int64_t t0,
+                         float sc, float* mrow, float* lrow, float* alpha) {
+  const VecF vsc = VecF::set1(sc);
+  for (int m = 0; m < rows; ++m) {
+    float* row = S + static_cast<int64_t>(m) * kTileN;
+    const int vc = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lim[m] - t0, 0), nt));
+    if (vc == 0) {
+      std::fill(row, row + ntp, 0.0f);
+      alpha[m] = 1.0f;
+      continue;
+    }
+    VecF vmx = VecF::set1(kNegInf);
+    for (int c = 0; c < vc; c += kW) {
+      const int k = std::min(kW, vc - c);
+      // the row is kTileN long: whole vectors are readable (lanes past vc are masked)
+      vmx = vec::max(vmx, vec::select_first(VecF::load(row + c) * vsc, k, kNegInf));
+    }
+    const float mx = vec::hmax(vmx);
+    const float mnew = std::max(mrow[m], mx);
+    const float a = (mrow[m] == kNegInf) ? 0.0f : std::exp(mrow[m] - mnew);
+    const VecF vm = VecF::set1(mnew);
+    VecF vs = VecF::zero();
+    for (int c = 0; c < ntp; c += kW) {
+      const VecF p = vec::keep_first(vec::exp(vec::fma(VecF::load(row + c), vsc, VecF::zero() - vm)), vc - c);
+      vs = vs + p;
+      p.store(row + c);
+    }
+    lrow[m] = lrow[m] * a + vec::hsum(vs);
+    mrow[m] = mnew;
+    alpha[m] = a;
+  }
+}
+
+// ---- fp32 engine (any dtype and level; over the vector layer) ----------------------------
+// kMode: kPlain (cache of CT = q's dtype), kFp8 (e4m3 rows, per-tensor scale folded into
+// score_scale / out_scale) or kDs (fp8_ds_mla rows: each tile times its own scale, k_pe as QT).
+// The tile is widened to fp32 in an L1 scratch whose rows are zero padded to Dk (a multiple
+// of the P.V column block), q rows likewise: the hot loops read whole vectors only.
+template <typename QT, typename CT, int kMode>
+struct F32Engine {
+#if defined(MLA_HAS_AVX512)
+  static constexpr int NQ = 4, NK = 4, MR = 6, NC = 4;  // 32 zmm registers
+#else
+  static constexpr int NQ = 4, NK = 3, MR = 4, NC = 3;  // 16 ymm registers
+#endif
+  static constexpr int kCB = NC * kW;  // P.V output columns per block
+  const Params& P;
+  int64_t D, r, Dk, rp;
+  float* Q;     // [kMaxRows][Dk]
+  float* K;     // [kTileN + NK][Dk]
+  float* O;     // [kMaxRows][rp]
+  float* zrow;  // [Dk] zeros
+
+  explicit F32Engine(const Params& p) : P(p), D(p.D), r(p.r) {
+    rp = round_up(r, kCB);
+    Dk = std::max<int64_t>(round_up(D, kW), rp);
+    Q = tl_scratch.q.get<float>(kMaxRows * Dk);
+    K = tl_scratch.k.get<float>((kTileN + NK) * Dk + Dk);
+    O = tl_scratch.o.get<float>(kMaxRows * rp);
+    zrow = K + (kTileN + NK) * Dk;
+    std::fill(zrow, zrow + Dk, 0.0f);
+    for (int c = 0; c < kTileN + NK; ++c) std::fill(K + c * Dk + D, K + (c + 1) * Dk, 0.0f);
+  }
+  int pad_rows(int rows) { return rows; }
+
+  void load_q(int m, const char* ql, const char* qp) {
+    float* dst = Q + m * Dk;
+    widen_row(dst, reinterpret_cast<const QT*>(ql), r);
+    widen_row(dst + r, reinterpret_cast<const QT*>(qp), P.rope);
+    std::fill(dst + D, dst + Dk, 0.0f);
+  }
+  void zero_q(int m) { std::fill(Q + m * Dk, Q + (m + 1) * Dk, 0.0f); }
+  void start_item(int rows) { std::fill(O, O + rows * rp, 0.0f); }
+  const float* orow(int m) const { return O + m * rp; }
+
+  void compute_tile(int rows, int nt, int64_t t0, const int64_t* lim, float sc, float* mrow,
+                    float* lrow) {
+    float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + kMaxRows);
+    float* alpha = S + kMaxRows * kTileN;
+    scores(rows, nt, S);
+    softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
+    pv(rows, nt, S, alpha);
+  }
+
+  void load_tile(const int64_t* offs, int nt) {
+    for (int c = 0; c < nt; ++c) {
+      float* dst = K + static_cast<int64_t>(c) * Dk;
+      const char* src = P.cache + offs[c];
+      if constexpr (kMode == kFp8) {
+        widen_e4m3_row(dst, reinterpret_cast<const uint8_t*>(src), D, kFp8Unscale);
+      } else if constexpr (kMode == kDs) {  // value * tile scale: fp32's rounding of v * s
+        const uint8_t* s8 = reinterpret_cast<const uint8_t*>(src);
+        for (int64_t t = 0; t < P.tiles; ++t) {
+          float st;
+          std::memcpy(&st, src + P.ds_scale_off + 4 * t, 4);
+          const int64_t d0 = t * kDsTile, d1 = std::min<int64_t>(r, d0 + kDsTile);
+          // (v / 256) * (256 s) is the same real number as v * s, so the same fp32 rounding
+          widen_e4m3_row(dst + d0, s8 + d0, d1 - d0, st * kFp8Unscale);
+        }
+        widen_row(dst + r, reinterpret_cast<const QT*>(src + P.ds_rope_off), P.rope);
+      } else {
+        widen_row(dst, reinterpret_cast<const CT*>(src), D);
+      }
+    }
+  }
+
+  // NQ query rows x NK kv rows per block, fp32 FMAs over the (padded) row, one reduction.
+  void scores(int rows, int nt, float* S) {
+    alignas(64) float tmp[NQ * NK + kW];
+    for (int m0 = 0; m0 < rows; m0 += NQ) {
+      const float* q[NQ];
+      for (int i = 0; i < NQ; ++i) q[i] = m0 + i < rows ? Q + (m0 + i) * Dk : zrow;
+      for (int c0 = 0; c0 < nt; c0 += NK) {
+        const float* k[NK];
+        for (int j = 0; j < NK; ++j) k[j] = c0 + j < nt ? K + static_cast<int64_t>(c0 + j) * Dk : zrow;
+        VecF acc[NQ * NK];
+        for (int x = 0; x < NQ * NK; ++x) acc[x] = VecF::zero();
+        for (int64_t d = 0; d < Dk; d += kW) {
+          VecF kv[NK];
+          for (int j = 0; j < NK; ++j) kv[j] = VecF::load(k[j] + d);
+          for (int i = 0; i < NQ; ++i) {
+            const VecF qv = VecF::load(q[i] + d);
+            for (int j = 0; j < NK; ++j) acc[i * NK + j] = vec::fma(qv, kv[j], acc[i * NK + j]);
+          }
+        }
+        vec::hsum_many<NQ * NK>(acc, tmp);
+        for (int i = 0; i < NQ && m0 + i < rows; ++i)
+          for (int j = 0; j < NK && c0 + j < nt; ++j) S[(m0 + i) * kTileN + c0 + j] = tmp[i * NK + j];
+      }
+    }
+  }
+
+  template <int M>
+  void pv_kernel(int m0, int64_t c0, int nt, const float* Pm, const float* alpha) {
+    VecF acc[M][NC];
+    for (int i = 0; i < M; ++i) {
+      const VecF a = VecF::set1(alpha[m0 + i]);
+      for (int j = 0; j < NC; ++j) acc[i][j] = VecF::load(O + (m0 + i) * rp + c0 + kW * j) * a;
+    }
+    for (int n = 0; n < nt; ++n) {
+      const float* v = K + static_cast<int64_t>(n) * Dk + c0;
+      VecF vv[NC];
+      for (int j = 0; j < NC; ++j) vv[j] = VecF::load(v + kW * j);
+      for (int i = 0; i < M; ++i) {
+        const VecF p = VecF::set1(Pm[(m0 + i) * kTileN + n]);
+        for (int j = 0; j < NC; ++j) acc[i][j] = vec::fma(p, vv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < NC; ++j) acc[i][j].store(O + (m0 + i) * rp + c0 + kW * j);
+  }
+
+  void pv(int rows, int nt, const float* Pm, const float* alpha) {
+    for (int64_t c0 = 0; c0 < rp; c0 += kCB) {
+      int m0 = 0;
+      for (; m0 + MR <= rows; m0 += MR) pv_kernel<MR>(m0, c0, nt, Pm, alpha);
+      switch (rows - m0) {
+        case 5: pv_kernel<5>(m0, c0, nt, Pm, alpha); break;
+        case 4: pv_kernel<4>(m0, c0, nt, Pm, alpha); break;
+        case 3: pv_kernel<3>(m0, c0, nt, Pm, alpha); break;
+        case 2: pv_kernel<2>(m0, c0, nt, Pm, alpha); break;
+        case 1: pv_kernel<1>(m0, c0, nt, Pm, alpha); break;
+        default: break;
+      }
+    }
+  }
+};
+#ifdef MLA_AVX512BF16
+// ---- AVX512-BF16 engine (q bf16; cache bf16, fp8 or fp8_ds_mla) -------------------------
+// Query rows live in SIMD lanes (16 rows per vector, one or two vectors per item): q is
+// packed once per item as bf16 pairs [D/2][rows] and each kv row's bf16 pair is broadcast,
+// so the scores come out as [kv][rows] with no horizontal reduction, the online softmax is
+// vertical (one max / exp / sum per kv row for 16 query rows), and the probabilities are
+// interleaved pairwise per row for P.V against the VNNI-packed tile.
+//
+// fp8 rows are decoded to their exact bf16 values (Fp8Bf16Table: byte shuffles only, so the
+// FP pipes stay with vdpbf16ps). fp8_ds_mla rows likewise, with the scales applied in registers:
+// the scores sum, per kv row, scale_t * (q_tile . fp8_tile) over the 128-value tiles plus
+// q_pe . k_pe (k_pe copied as stored); for P.V each probability is multiplied by its kv row's
+// tile scale before the bf16 rounding, one probability array per tile (a 64-column block of
+// the output lies in one tile). For fp8_ds_mla an odd r is padded to r2 = r + 1 with a zero
+// in both q and the decoded row, so that no bf16 pair mixes c_kv (scaled) with k_pe.
+template <int kMode>
+struct Bf16Engine {
+  static constexpr bool kDecode = kMode != kPlain;  // rows go through the Kd scratch tile
+  const Params& P;
+  int64_t D, r, r2, Dq, D2, Dp, rp, tiles;
+  int MV = 1;      // row vectors (16 rows each) of the current item
+  uint16_t* Q;     // [kMaxRows][Dp] rows as loaded (zero padded)
+  uint32_t* Qp;    // [Dp / 2][kMaxRows] bf16 pairs, rows in lanes
+  uint16_t* Kd;    // [kTileN][Dp] decoded fp8 tile
+  float* scl;      // fp8_ds_mla: [kTileN + 8][tiles] tile scale per kv row (0: padding)
+  uint16_t* Vp;    // [kTileN / 2][2 * rp] VNNI-packed V
+  uint32_t* PP;    // [tiles][kTileN / 2][kMaxRows] bf16 probability pairs per row
+  float* St;       // [kTileN][kMaxRows] scores, rows in lanes
+  uint16_t* zero;  // one zero row of Dp
+  float* O;        // [kMaxRows][rp]
+  float* alpha;    // [kMaxRows]
+  const uint16_t* rows[kTileN + 16];
+
+  explicit Bf16Engine(const Params& p) : P(p), D(p.D), r(p.r) {
+    static_assert(kMaxRows == 32, "two row vectors");
+    r2 = kMode == kDs ? round_up(r, 2) : r;
+    Dq = r2 + p.rope;
+    D2 = (Dq + 1) / 2;
+    Dp = round_up(Dq, kDecode ? 64 : 32);  // the decode writes whole 64-value blocks
+    rp = round_up(r, 16);
+    tiles = kMode == kDs ? p.tiles : 1;
+    Q = tl_scratch.q.get<uint16_t>(kMaxRows * Dp + (Dp / 2) * kMaxRows * 2);
+    Qp = reinterpret_cast<uint32_t*>(Q + kMaxRows * Dp);
+    Kd = kDecode ? tl_scratch.k.get<uint16_t>(kTileN * Dp) : nullptr;
+    Vp = tl_scratch.v.get<uint16_t>(kTileN * rp);
+    PP = tl_scratch.pb.get<uint32_t>(tiles * (kTileN / 2) * kMaxRows);
+    St = tl_scratch.s.get<float>(kTileN * kMaxRows + kMaxRows + (kTileN + 8) * tiles);
+    alpha = St + kTileN * kMaxRows;
+    scl = alpha + kMaxRows;
+    zero = tl_scratch.zero.get<uint16_t>(Dp);
+    std::memset(zero, 0, Dp * sizeof(uint16_t));
+    O = tl_scratch.o.get<float>(kMaxRows * rp);
+  }
+  int pad_rows(int rows) {
+    MV = rows > 16 ? 2 : 1;
+    return 16 * MV;
+  }
+  const float* orow(int m) const { return O + m * rp; }
+
+  void load_q(int m, const char* ql, const char* qp) {
+    uint16_t* dst = Q + m * Dp;
+    std::memcpy(dst, ql, r * 2);
+    if (r2 > r) dst[r] = 0;
+    if (P.rope) std::memcpy(dst + r2, qp, P.rope * 2);
+    std::memset(dst + Dq, 0, (Dp - Dq) * 2);
+  }
+  void zero_q(int m) { std::memset(Q + m * Dp, 0, Dp * 2); }
+  void start_item(int rows_pad) {
+    std::fill(O, O + rows_pad * rp, 0.0f);
+    const int R = 16 * MV;
+    for (int64_t d2 = 0; d2 < D2; ++d2)
+      for (int m = 0; m < R; ++m)
+        Qp[d2 * R + m] = reinterpret_cast<const uint32_t*>(Q + m * Dp)[d2];
+  }
+
+  // fp8 bytes [0, n) of a row -> dst[0, round_up(n, 64)) exact bf16 (zeros past n)
+  static inline void decode(uint16_t* dst, const uint8_t* s8, int64_t n) {
+#ifdef MLA_FP8_TABLE
+    static const Fp8Bf16Table tab;
+    tab.decode(dst, s8, n);
+#else
+    for (int64_t d = 0; d < round_up(n, 64); d += 32) {
+      const int64_t left = std::max<int64_t>(0, n - d);
+      const __mmask32 msk = left >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << left) - 1);
+      _mm512_storeu_si512(dst + d, fp8x32_to_bf16(s8 + d, msk));
+    }
+#endif
+  }
+
+  void load_tile(const int64_t* offs, int nt) {
+    for (int c = 0; c < nt; ++c) {
+      const char* src = P.cache + offs[c];
+      if constexpr (kMode == kFp8) {
+        uint16_t* dst = Kd + static_cast<int64_t>(c) * Dp;
+        decode(dst, reinterpret_cast<const uint8_t*>(src), D);
+        rows[c] = dst;
+      } else if constexpr (kMode == kDs) {
+        uint16_t* dst = Kd + static_cast<int64_t>(c) * Dp;
+        decode(dst, reinterpret_cast<const uint8_t*>(src), r);  // zeros r .. round_up(r, 64)
+        if (P.rope) std::memcpy(dst + r2, src + P.ds_rope_off, P.rope * 2);
+        std::memset(dst + Dq, 0, (Dp - Dq) * 2);
+        for (int64_t t = 0; t < tiles; ++t) {
+          float st;
+          std::memcpy(&st, src + P.ds_scale_off + 4 * t, 4);
+          scl[c * tiles + t] = st;
+        }
+        rows[c] = dst;
+      } else {
+        rows[c] = reinterpret_cast<const uint16_t*>(src);
+      }
+    }
+    for (int c = nt; c < round_up(nt, 8); ++c) {
+      rows[c] = zero;
+      if constexpr (kMode == kDs)
+        for (int64_t t = 0; t < tiles; ++t) scl[c * tiles + t] = 0.0f;
+    }
+  }
+
+  // kv pair d2 of row k, as a 32-bit broadcast (an odd D's last pair is zero-extended: the
+  // element after the row may be anything, even NaN).
+  inline __m512i kpair(const uint16_t* k, int64_t d2) const {
+    int32_t v;
+    if (2 * d2 + 1 < D) std::memcpy(&v, k + 2 * d2, 4);
+    else v = k[2 * d2];
+    return _mm512_set1_epi32(v);
+  }
+
+  template <int NR, int NV>
+  static inline void dot_pairs(__m512 (&acc)[NR][NV], const uint32_t* Qp, const uint16_t* const* k,
+                               int64_t p0, int64_t p1) {
+    constexpr int R = 16 * NV;
+    for (int64_t d2 = p0; d2 < p1; ++d2) {
+      __m512i q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(Qp + d2 * R + 16 * v);
+      for (int i = 0; i < NR; ++i) {
+        int32_t kv;
+        std::memcpy(&kv, k[i] + 2 * d2, 4);
+        __m512bh kb = (__m512bh)_mm512_set1_epi32(kv);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, (__m512bh)q[v]);
+      }
+    }
+  }
+
+  template <int NR, int NV>
+  void scores_kernel(int n0) {
+    constexpr int R = 16 * NV;
+    __m512 acc[NR][NV];
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    const uint16_t* k[NR];
+    for (int i = 0; i < NR; ++i) k[i] = rows[n0 + i];
+    if constexpr (kMode == kDs) {
+      // Kd rows and q rows are zero padded to Dp: every pair can be read whole
+      for (int64_t t = 0; t < tiles; ++t) {
+        __m512 acc_t[NR][NV];
+        for (int i = 0; i < NR; ++i)
+          for (int v = 0; v < NV; ++v) acc_t[i][v] = _mm512_setzero_ps();
+        dot_pairs<NR, NV>(acc_t, Qp, k, t * (kDsTile / 2), std::min<int64_t>((t + 1) * (kDsTile / 2), r2 / 2));
+        for (int i = 0; i < NR; ++i) {
+          const __m512 s = _mm512_set1_ps(scl[(n0 + i) * tiles + t]);
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(acc_t[i][v], s, acc[i][v]);
+        }
+      }
+      dot_pairs<NR, NV>(acc, Qp, k, r2 / 2, D2);  // q_pe . k_pe
+    } else {
+      const int64_t D2f = D / 2;  // full pairs
+      dot_pairs<NR, NV>(acc, Qp, k, 0, D2f);
+      if (D2f < D2) {
+        __m512i q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(Qp + D2f * R + 16 * v);
+        for (int i = 0; i < NR; ++i) {
+          __m512bh kb = (__m512bh)kpair(k[i], D2f);
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], kb, (__m512bh)q[v]);
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int v = 0; v < NV; ++v) _mm512_store_ps(St + (n0 + i) * R + 16 * v, acc[i][v]);
+  }
+
+  void pack_v(int nt) {
+    const int npairs = (nt + 1) / 2;
+    alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
+                                                    37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                    53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                    27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i vlo = _mm512_load_si512(lo_idx), vhi = _mm512_load_si512(hi_idx);
+    for (int k = 0; k < npairs; ++k) {
+      const uint16_t* a = rows[2 * k];
+      const uint16_t* b = (2 * k + 1 < nt) ? rows[2 * k + 1] : zero;
+      uint16_t* dst = Vp + static_cast<int64_t>(k) * 2 * rp;
+      for (int64_t c = 0; c < rp; c += 32) {
+        int64_t cnt = std::min<int64_t>(32, r - c);
+        __mmask32 msk = cnt >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << cnt) - 1);
+        __m512i va = _mm512_maskz_loadu_epi16(msk, a + c);
+        __m512i vb = _mm512_maskz_loadu_epi16(msk, b + c);
+        _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(va, vlo, vb));
+        if (c + 16 < rp) _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(va, vhi, vb));
+      }
+    }
+  }
+
+  template <int MR, int NC>
+  void pv_kernel(int m0, int64_t c0, int npairs, const uint32_t* PPt) {
+    const int R = 16 * MV;
+    __m512 acc[MR][NC];
+    for (int i = 0; i < MR; ++i) {
+      __m512 a = _mm512_set1_ps(alpha[m0 + i]);
+      for (int j = 0; j < NC; ++j)
+        acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(O + (m0 + i) * rp + c0 + 16 * j), a);
+    }
+    for (int k = 0; k < npairs; ++k) {
+      const uint16_t* vk = Vp + static_cast<int64_t>(k) * 2 * rp + 2 * c0;
+      __m512i vb[NC];
+      for (int j = 0; j < NC; ++j) vb[j] = _mm512_loadu_si512(vk + 32 * j);
+      const uint32_t* pk = PPt + k * R + m0;
+      for (int i = 0; i < MR; ++i) {
+        __m512bh pa = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pk[i]));
+        for (int j = 0; j < NC; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pa, (__m512bh)vb[j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NC; ++j) _mm512_storeu_ps(O + (m0 + i) * rp + c0 + 16 * j, acc[i][j]);
+  }
+
+  template <int NC>
+  void pv_cols(int rows, int64_t c0, int npairs, const uint32_t* PPt) {
+    int m0 = 0;
+    for (; m0 + 6 <= rows; m0 += 6) pv_kernel<6, NC>(m0, c0, npairs, PPt);
+    switch (rows - m0) {
+      case 5: pv_kernel<5, NC>(m0, c0, npairs, PPt); break;
+      case 4: pv_kernel<4, NC>(m0, c0, npairs, PPt); break;
+      case 3: pv_kernel<3, NC>(m0, c0, npairs, PPt); break;
+      case 2: pv_kernel<2, NC>(m0, c0, npairs, PPt); break;
+      case 1: pv_kernel<1, NC>(m0, c0, npairs, PPt); break;
+      default: break;
+    }
+  }
+
+  // scores -> online softmax (rows in lanes) -> P.V for one tile.
+  void compute_tile(int rows, int nt, int64_t t0, const int64_t* lim, float sc, float* mrow,
+                    float* lrow) {
+    const int R = 16 * MV;
+    const int ntp = static_cast<int>(round_up(nt, 8));
+    for (int n0 = 0; n0 < ntp; n0 += 8) {
+      if (MV == 1) scores_kernel<8, 1>(n0);
+      else scores_kernel<4, 2>(n0), scores_kernel<4, 2>(n0 + 4);
+    }
+    const int npairs = (nt + 1) / 2;
+    const __m512 vsc = _mm512_set1_ps(sc);
+    alignas(64) static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pidx = _mm512_load_si512(pair_idx);
+    for (int v = 0; v < MV; ++v) {
+      alignas(64) int32_t limv[16];
+      for (int m = 0; m < 16; ++m)
+        limv[m] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lim[16 * v + m] - t0, 0), nt));
+      const __m512i vlim = _mm512_load_si512(limv);  // valid kv count per row in this tile
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int n = 0; n < nt; ++n) {
+        __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
+        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_mul_ps(_mm512_load_ps(St + n * R + 16 * v), vsc));
+      }
+      const __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
+      const __m512 mnew = _mm512_max_ps(mold, mx);
+      // rows without a valid column keep alpha = 1 (their m / l do not change)
+      const __mmask16 any = _mm512_cmpgt_epi32_mask(vlim, _mm512_setzero_si512());
+      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any, exp512(_mm512_sub_ps(mold, mnew)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int k = 0; k < npairs; ++k) {
+        __m512 p2[2];
+        for (int e = 0; e < 2; ++e) {
+          const int n = 2 * k + e;
+          __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
+          p2[e] = _mm512_maskz_mov_ps(
+              valid, exp512(_mm512_fmsub_ps(_mm512_load_ps(St + n * R + 16 * v), vsc, mnew)));
+          sum = _mm512_add_ps(sum, p2[e]);
+        }
+        // [p(2k) rows 0..15 | p(2k+1) rows 0..15] -> per row (p(2k), p(2k+1)) bf16 pairs
+        if constexpr (kMode == kDs) {  // one array per tile: p times the kv row's tile scale
+          for (int64_t t = 0; t < tiles; ++t) {
+            const __m512 s0 = _mm512_set1_ps(scl[(2 * k) * tiles + t]);
+            const __m512 s1 = _mm512_set1_ps(scl[(2 * k + 1) * tiles + t]);
+            __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(p2[1], s1), _mm512_mul_ps(p2[0], s0));
+            _mm512_storeu_si512(PP + (t * (kTileN / 2) + k) * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
+          }
+        } else {
+          __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p2[1], p2[0]);
+          _mm512_storeu_si512(PP + k * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
+        }
+      }
+      const __m512 lold = _mm512_loadu_ps(lrow + 16 * v);
+      _mm512_storeu_ps(lrow + 16 * v, _mm512_fmadd_ps(lold, a, sum));
+      _mm512_storeu_ps(mrow + 16 * v, _mm512_mask_mov_ps(mold, any, mnew));
+      _mm512_storeu_ps(alpha + 16 * v, a);
+    }
+    pack_v(nt);
+    for (int64_t c0 = 0; c0 < rp; c0 += 64) {
+      // a 64-column block lies in one 128-value tile (fp8_ds_mla)
+      const uint32_t* PPt = kMode == kDs ? PP + (c0 / kDsTile) * (kTileN / 2) * R : PP;
+      int nc = static_cast<int>(std::min<int64_t>(4, (rp - c0) / 16));
+      switch (nc) {
+        case 4: pv_cols<4>(rows, c0, npairs, PPt); break;
+        case 3: pv_cols<3>(rows, c0, npairs, PPt); break;
+        case 2: pv_cols<2>(rows, c0, npairs, PPt); break;
+        default: pv_cols<1>(rows, c0, npairs, PPt); break;
+      }
+    }
+  }
+};
+#endif  // MLA_AVX512BF16
+
+// ---- one work item -----------------------------------------------------------------------
+template <typename QT, class Engine>
+void run_item(const Params& P, const Item& it, Engine& E, int64_t* offs, float* mrow, float* lrow,
+              int64_t* lim) {
+  const int64_t i = it.req;
+  const int64_t n = P.cu[i + 1] - P.cu[i];
+  const int64_t L = P.kvl[i];
+  const int64_t H = P.H;
+  const int rows = it.nrows;
+  const int rows_pad = E.pad_rows(rows);
+  int64_t lim_max = 0, lim_min = INT64_MAX;
+  for (int m = 0; m < rows_pad; ++m) {
+    if (m < rows) {
+      int64_t R = it.row0 + m;
+      int64_t j = R / H, h = R % H;
+      int64_t t = P.cu[i] + j;
+      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.qpe + (t * P.qp_s0 + h * P.qp_s1));
+      lim[m] = L - n + j + 1;
+      lim_max = std::max(lim_max, lim[m]);
+      lim_min = std::min(lim_min, lim[m]);
+    } else {
+      E.zero_q(m);
+      lim[m] = 0;  // padding rows: fully masked
+    }
+    mrow[m] = kNegInf;
+    lrow[m] = 0.0f;
+  }
+  E.start_item(rows_pad);
+  const int64_t kend = std::min<int64_t>(it.kv1, lim_max);
+  for (int64_t t0 = it.kv0; t0 < kend; t0 += kTileN) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTileN, kend - t0));
+    if (t0 == it.kv0)
+      for (int c = 0; c < nt; ++c) offs[c] = row_offset(P, i, t0 + c);
+    E.load_tile(offs, nt);
+    // the next tile's rows: offsets now, a prefetch into L2 while this tile computes
+    const int64_t t1 = t0 + kTileN;
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTileN, kend - t1)));
+    for (int c = 0; c < nn; ++c) {
+      offs[c] = row_offset(P, i, t1 + c);
+      prefetch_row(P.cache + offs[c], P.row_bytes);
+    }
+    E.compute_tile(rows, nt, t0, lim, P.score_scale, mrow, lrow);
+  }
+  const int64_t r = P.r;
+  for (int m = 0; m < rows; ++m) {
+    const int64_t R = it.row0 + m;
+    float inv = 0.0f, lse = kNegInf;
+    if (lrow[m] > 0.0f) {
+      inv = P.out_scale / lrow[m];
+      lse = mrow[m] + std::log(lrow[m]);
+    }
+    const float* o = E.orow(m);
+    if (it.nsplit == 1) {
+      const int64_t g = P.cu[i] * H + R;  // flat [T*H] row
+      store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
+      P.lse[g] = lse;
+    } else {
+      const int64_t pr = it.part_off + R * it.nsplit + it.split;
+      store_row(P.part_o + pr * r, o, r, inv);
+      P.part_lse[pr] = lse;
+    }
+  }
+}
+
+template <typename QT, class Engine>
+void run_items(const Params& P, const std::vector<Item>& items, const Parallel& par) {
+  std::atomic<int64_t> next{0};
+  const int64_t nitems = static_cast<int64_t>(items.size());
+  const int64_t nthreads = std::min<int64_t>(par.threads, nitems);
+  auto worker = [&](int64_t, int64_t) {
+    Engine E(P);
+    float* mrow = tl_scratch.ml.get<float>(2 * kMaxRows);
+    float* lrow = mrow + kMaxRows;
+    int64_t* scratch = tl_scratch.misc.get<int64_t>(kTileN + kMaxRows);
+    int64_t* offs = scratch;
+    int64_t* lim = scratch + kTileN;
+    for (int64_t k; (k = next.fetch_add(1)) < nitems;)
+      run_item<QT, Engine>(P, items[k], E, offs, mrow, lrow, lim);
+  };
+  if (nthreads <= 1) {
+    worker(0, 1);
+  } else {
+    par.for_range(nthreads, 1, worker);
+  }
+}
+
+template <typename QT>
+void merge_splits(const Params& P, const std::vector<std::pair<int64_t, int64_t>>& reqs,
+                  const Parallel& par) {
+  // reqs: (request, nsplit) of split requests with their partial offsets in part_off order
+  struct Job {
+    int64_t req, nsplit, off, nrows;
+  };
+  std::vector<Job> jobs;
+  int64_t off = 0, total = 0;
+  for (auto& rs : reqs) {
+    int64_t n = P.cu[rs.first + 1] - P.cu[rs.first];
+    jobs.push_back({rs.first, rs.second, off, n * P.H});
+    off += n * P.H * rs.second;
+    total += n * P.H;
+  }
+  if (jobs.empty()) return;
+  std::vector<int64_t> starts;  // row prefix over jobs
+  starts.push_back(0);
+  for (auto& j : jobs) starts.push_back(starts.back() + j.nrows);
+  const int64_t r = P.r;
+  par.for_range(total, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(r);
+    for (int64_t x = b; x < e; ++x) {
+      int64_t ji = std::upper_bound(starts.begin(), starts.end(), x) - starts.begin() - 1;
+      const Job& jb = jobs[ji];
+      const int64_t R = x - starts[ji];
+      const float* lses = P.part_lse + jb.off + R * jb.nsplit;
+      const float* os = P.part_o + (jb.off + R * jb.nsplit) * r;
+      float mx = kNegInf;
+      for (int64_t s = 0; s < jb.nsplit; ++s) mx = std::max(mx, lses[s]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float wsum = 0.0f;
+      if (mx != kNegInf) {
+        for (int64_t s = 0; s < jb.nsplit; ++s) {
+          if (lses[s] == kNegInf) continue;
+          float w = std::exp(lses[s] - mx);
+          wsum += w;
+          const float* o = os + s * r;
+          for (int64_t d = 0; d < r; ++d) acc[d] += w * o[d];
+        }
+      }
+      const int64_t g = P.cu[jb.req] * P.H + R;
+      float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+      store_row(reinterpret_cast<QT*>(P.out) + g * r, acc.data(), r, inv);
+      P.lse[g] = wsum > 0.0f ? mx + std::log(wsum) : kNegInf;
+    }
+  });
+}
+
+
+// fp8_ds_mla row of r c_kv values and rope k_pe values of `es` bytes each (mla_backend.cache_layout:
+// scales at r rounded up to 4, then 4 bytes per tile, then k_pe).
+struct DsLayout {
+  int64_t tiles, scale_off, rope_off, width;
+  DsLayout(int64_t r, int64_t rope, int64_t es)
+      : tiles(ceil_div(r, kDsTile)),
+        scale_off(round_up(r, 4)),
+        rope_off(round_up(r, 4) + 4 * ceil_div(r, kDsTile)),
+        width(round_up(r, 4) + 4 * ceil_div(r, kDsTile) + rope * es) {}
+};
+
+// ---- the whole call ------------------------------------------------------------------------
+// Plans the work items of P's batch (request, block of <= kMaxRows query rows, kv split),
+// runs them over par and merges the splits. P.out [T, H, r] (q's dtype) and P.lse [T, H] are
+// written; P.part_o / P.part_lse are set here (a thread-local buffer).
+inline void absorbed_attention(Params P, DType qdt, int mode, int64_t num_kv_splits,
+                               const Parallel& par) {
+  const int64_t B = P.B, r = P.r;
+  const bool ds = mode == kDs, fp8 = mode == kFp8;
+  // ---- work items ----
+  const int64_t nthreads = std::max<int64_t>(1, par.threads);
+  int64_t total_work = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t n = P.cu[i + 1] - P.cu[i];
+    if (n == 0) continue;
+    const int64_t nb = ceil_div(n * P.H, kMaxRows);
+    total_work += nb * P.kvl[i];
+  }
+  const int64_t chunk = std::max<int64_t>(256, ceil_div(total_work, 4 * nthreads));
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> split_reqs;
+  int64_t part_rows = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t n = P.cu[i + 1] - P.cu[i];
+    if (n == 0) continue;
+    const int64_t L = P.kvl[i];
+    const int64_t rows = n * P.H;
+    const int64_t nb = ceil_div(rows, kMaxRows);
+    const int64_t mb = ceil_div(rows, nb);
+    int64_t ns = num_kv_splits > 0 ? num_kv_splits : ceil_div(L, chunk);
+    ns = std::max<int64_t>(1, std::min<int64_t>({ns, ceil_div(L, kTileN), 256}));
+    const int64_t len = round_up(ceil_div(L, ns), kTileN);
+    ns = ceil_div(L, len);
+    const int64_t poff = part_rows;
+    if (ns > 1) {
+      split_reqs.push_back({i, ns});
+      part_rows += rows * ns;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t row0 = b * mb;
+      const int64_t nr = std::min(mb, rows - row0);
+      for (int64_t s = 0; s < ns; ++s) {
+        Item it;
+        it.req = static_cast<int32_t>(i);
+        it.row0 = static_cast<int32_t>(row0);
+        it.nrows = static_cast<int32_t>(nr);
+        it.split = static_cast<int32_t>(s);
+        it.nsplit = static_cast<int32_t>(ns);
+        it.kv0 = static_cast<int32_t>(s * len);
+        it.kv1 = static_cast<int32_t>(std::min(L, (s + 1) * len));
+        it.part_off = poff;
+        it.cost = (it.kv1 - it.kv0) * nr;
+        items.push_back(it);
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  thread_local std::vector<float> part_buf;
+  const size_t part_need = static_cast<size_t>(part_rows) * (r + 1);
+  if (part_buf.size() < part_need) part_buf.resize(part_need);
+  P.part_o = part_buf.data();
+  P.part_lse = part_buf.data() + static_cast<size_t>(part_rows) * r;
+
+  if (qdt == DType::kBF16) {
+    using QT = vec::bf16_t;
+#ifdef MLA_AVX512BF16
+    if (ds) run_items<QT, Bf16Engine<kDs>>(P, items, par);
+    else if (fp8) run_items<QT, Bf16Engine<kFp8>>(P, items, par);
+    else run_items<QT, Bf16Engine<kPlain>>(P, items, par);
+#else
+    if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items, par);
+    else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items, par);
+    else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items, par);
+#endif
+    merge_splits<QT>(P, split_reqs, par);
+  } else if (qdt == DType::kF16) {
+    using QT = vec::fp16_t;
+    if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items, par);
+    else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items, par);
+    else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items, par);
+    merge_splits<QT>(P, split_reqs, par);
+  } else {
+    using QT = float;
+    if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items, par);
+    else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items, par);
+    else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items, par);
+    merge_splits<QT>(P, split_reqs, par);
+  }
+}
+
+// n floats -> n values of dtype dt (bf16 / fp16 round to nearest even, as torch's .to()).
+void store_as(char* dst, const float* src, int64_t n, DType dt) {
+  if (dt == DType::kBF16) store_row(reinterpret_cast<vec::bf16_t*>(dst), src, n, 1.0f);
+  else if (dt == DType::kF16) store_row(reinterpret_cast<vec::fp16_t*>(dst), src, n, 1.0f);
+  else std::memcpy(dst, src, n * sizeof(float));
+}
+
+// dst[0, n) = e4m3(clamp(x[0, n) / div, -448, 448)) (NaN passes the clamp, like torch.clamp;
+// the same fp32 division as torch's value.float() / scale)
+inline void store_e4m3_row(uint8_t* dst, const float* x, int64_t n, float div) {
+  const VecF vd = VecF::set1(div);
+  for (int64_t j = 0; j < n; j += kW) {
+    const int k = static_cast<int>(std::min<int64_t>(kW, n - j));
+    vec::clamp_nan_through(load_f32(x + j, k) / vd, -448.0f, 448.0f).store_e4m3_n(dst + j, k);
+  }
+}
+
+// One fp8_ds_mla row, bit for bit as CacheLayout.pack (and vLLM's concat_and_cache_ds_mla):
+// per tile of 128 c_kv values scale = max(amax(|x|) / 448, FLT_MIN) (fp32; NaN propagates like
+// torch.amax / clamp), stored = e4m3(clamp(x / scale, -448, 448)), the scale's float32 bytes,
+// zero bytes between r and the scales, then k_pe converted to `rope_dt`.
+void write_ds_row(uint8_t* dst, const float* x, const float* kp, int64_t r, int64_t rope,
+                  const DsLayout& L, DType rope_dt) {
+  for (int64_t t = 0; t < L.tiles; ++t) {
+    const int64_t j0 = t * kDsTile, j1 = std::min<int64_t>(r, j0 + kDsTile);
+    VecF vmax = VecF::zero();  // the padding of a partial tile is 0
+    bool nan = false;
+    for (int64_t j = j0; j < j1; j += kW) {
+      const VecF a = vec::abs(load_f32(x + j, static_cast<int>(std::min<int64_t>(kW, j1 - j))));
+      nan = nan || vec::any_nan(a);
+      vmax = vec::max(vmax, a);
+    }
+    // torch.amax gives the default NaN, whatever the input's payload
+    const float amax = nan ? std::numeric_limits<float>::quiet_NaN() : vec::hmax(vmax);
+    float sc = amax / 448.0f;
+    if (!std::isnan(sc)) sc = std::max(sc, std::numeric_limits<float>::min());
+    store_e4m3_row(dst + j0, x + j0, j1 - j0, sc);
+    std::memcpy(dst + L.scale_off + 4 * t, &sc, 4);
+  }
+  std::memset(dst + r, 0, L.scale_off - r);
+  if (rope) store_as(reinterpret_cast<char*>(dst + L.rope_off), kp, rope, rope_dt);
+}
+
+}  // namespace core
+}  // namespace mla_native
