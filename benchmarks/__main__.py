@@ -1,4 +1,4 @@
-"""``python -m benchmarks decode|extend|layer|policy|vllm|serve|sglang|gpu|fp8-accuracy [-h]``:
+"""``python -m benchmarks decode|extend|gemm|layer|policy|vllm|serve|sglang|gpu|fp8-accuracy [-h]``:
 one subcommand per benchmark; each writes ``benchmarks/results/<name>-latest.md`` and appends
 to ``<name>-history.md``."""
 
@@ -11,6 +11,7 @@ import sys
 COMMANDS = {
     "decode": ("decode", "absorbed decode per native ISA level vs vLLM CPU_MLA / AMX_MLA"),
     "extend": ("extend", "absorbed extend (prefix + new tokens) per ISA level vs AMX_MLA"),
+    "gemm": ("gemm", "absorption GEMMs, MHA, decompression per native ISA level vs torch"),
     "layer": ("layer", "one MLA layer incl. both absorptions vs CPU_MLA / AMX_MLA op sequences"),
     "policy": ("policy", "does the cost policy pick the faster path (absorbed / normal)"),
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),

@@ -24,10 +24,13 @@ DEFAULT_CHUNK_TOKENS = 4096
 
 
 def decompress(
-    latent: torch.Tensor, weights: AbsorbWeights, dtype: torch.dtype
+    latent: torch.Tensor,
+    weights: AbsorbWeights,
+    dtype: torch.dtype,
+    impl: KernelImpl | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Latent rows -> per-head keys and values, with ``W_UK`` / ``W_UV`` (no other copy of
-    ``kv_b_proj`` is kept).
+    ``kv_b_proj`` is kept), through ``impl.decompress`` (default: the torch implementation).
 
     Args:
         latent: [L, r + rope] rows ``[c_kv ; k_pe]`` (already dequantized, ``dtype``).
@@ -35,17 +38,14 @@ def decompress(
     Returns:
         k: [H, L, nope + rope] (``[W_UK·c_kv ; k_pe]``), v: [H, L, v] (``W_UV·c_kv``).
     """
-    H, nope, r = weights.W_UK.shape
-    v_dim = weights.W_UV.shape[-1]
-    L = latent.shape[0]
-    c_kv, k_pe = latent[:, :r], latent[:, r:]
-    W_UK = _dequant_weight(weights.W_UK, weights.W_UK_scale, dtype).reshape(H * nope, r)
+    if impl is None:
+        from .ops import get_impl
+
+        impl = get_impl(latent.device, "torch")
+    r = weights.W_UK.shape[-1]
+    W_UK = _dequant_weight(weights.W_UK, weights.W_UK_scale, dtype)
     W_UV = _dequant_weight(weights.W_UV, weights.W_UV_scale, dtype)
-    W_UV = W_UV.transpose(0, 1).reshape(r, H * v_dim)  # transient [r, H*v] copy
-    k_nope = torch.mm(c_kv, W_UK.t()).view(L, H, nope)
-    v = torch.mm(c_kv, W_UV).view(L, H, v_dim)
-    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(L, H, k_pe.shape[-1])], dim=-1)
-    return k.transpose(0, 1), v.transpose(0, 1)
+    return impl.decompress(latent[:, :r], latent[:, r:], W_UK, W_UV)
 
 
 def _dequant_weight(
@@ -97,13 +97,13 @@ def normal_attention_part(
             latent = torch.cat([new_c_kv[t0 : t0 + n], new_k_pe[t0 : t0 + n]], -1).to(cd)
         else:
             latent = impl.gather_latent(kv_cache, layout, part, i, P, P + n, cd, kv_scale)
-        k, v = decompress(latent, weights, cd)
+        k, v = decompress(latent, weights, cd, impl)
         o, lse = impl.attention_with_lse(q, k, v, True, softmax_scale)
         o, lse = o.transpose(0, 1).float(), lse.transpose(0, 1)  # [n, H, v], [n, H]
         for s in range(0, P, chunk_tokens):
             e = min(P, s + chunk_tokens)
             latent = impl.gather_latent(kv_cache, layout, part, i, s, e, cd, kv_scale)
-            k, v = decompress(latent, weights, cd)
+            k, v = decompress(latent, weights, cd, impl)
             o_c, lse_c = impl.attention_with_lse(q, k, v, False, softmax_scale)
             o, lse = merge_attention_states(o, lse, o_c.transpose(0, 1), lse_c.transpose(0, 1))
         o_out[t0 : t0 + n] = o

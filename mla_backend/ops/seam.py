@@ -121,6 +121,18 @@ class KernelImpl(Protocol):
         ``dtype`` (dequantized): the normal path's read of the latent cache."""
         ...
 
+    def decompress(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        W_UK: torch.Tensor,
+        W_UV: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normal path's decompression: c_kv [L, r], k_pe [L, rope], W_UK [H, nope, r],
+        W_UV [H, r, v] (one dtype) -> (k [H, L, nope + rope] = ``[c_kv·W_UK[h]^T ; k_pe]``,
+        v [H, L, v] = ``c_kv·W_UV[h]``) in that dtype (views of [L, H, ...] buffers)."""
+        ...
+
     def attention_with_lse(
         self,
         q: torch.Tensor,

@@ -45,6 +45,7 @@ from .kernels import Kernels
 from .ops import (
     absorbed_attention,
     attention_with_lse,
+    decompress,
     head_gemm,
     pack_heads,
     simd_level,
@@ -58,6 +59,7 @@ __all__ = [
     "absorbed_attention",
     "attention_with_lse",
     "available",
+    "decompress",
     "head_gemm",
     "host_isas",
     "op_namespace",

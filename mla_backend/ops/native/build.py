@@ -3,6 +3,11 @@ compiled at first use, the best level the CPU executes picked at load time.
 
 This module owns:
 
+    @torch.library.register_fake(f"{ns}::native_decompress")
+    def _(c_kv, k_pe, W_UK, W_UV):
+        L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
+        return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
+
 - the ISA levels (:data:`ISA_LEVELS`, lowest first) and their compiler flags: each level gets
   explicit flags (never ``-march=native``), the macros ``MLA_ISA_<LEVEL>`` (exactly one),
   cumulative ``MLA_HAS_AVX2`` / ``MLA_HAS_AVX512`` / ``MLA_HAS_AVX512BF16`` / ``MLA_HAS_AMX``,
@@ -20,9 +25,11 @@ This module owns:
   importing never raises;
 - the ops ``torch.ops.mla_backend_<level>.native_absorbed_attention`` /
   ``native_write_latent`` / ``native_fp8_decode`` / ``native_simd_info``
-  (``csrc/mla_cpu.cpp``), ``native_pack_heads`` / ``native_head_gemm`` (``csrc/head_gemm.cpp``)
-  and ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``), with fake (meta)
-  implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
+  (``csrc/mla_cpu.cpp``), ``native_pack_heads`` / ``native_head_gemm`` (``csrc/head_gemm.cpp``:
+  the per-head absorption GEMMs), ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the
+  normal path's MHA) and ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` /
+  ``c_kv · W_UV``), the last three over the torch-free GEMM engine ``csrc/gemm_core.h``, with
+  fake (meta) implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
 """
 
 from __future__ import annotations
@@ -48,8 +55,8 @@ __all__ = [
 ]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp")
-_HEADERS = ("mla_cpu.h", "vec.h")
+_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
+_HEADERS = ("mla_cpu.h", "vec.h", "gemm_core.h")
 _EXT_NAME = "mla_backend_native"
 ENV_ISA = "MLA_BACKEND_NATIVE_ISA"
 
@@ -250,6 +257,11 @@ def _register_fakes(ns: str) -> None:
     def _(q, k, v, causal, scale):
         H, Lq, _ = q.shape
         return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{ns}::native_decompress")
+    def _(c_kv, k_pe, W_UK, W_UV):
+        L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
+        return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
 
     @torch.library.register_fake(f"{ns}::native_fp8_decode")
     def _(data, bf16):

@@ -2,9 +2,9 @@
 and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
-:meth:`Kernels.prepare_weights`) and the normal path's MHA for bf16 (both on AVX512-BF16 CPUs;
-elsewhere, and for other dtypes, torch's bmm and SDPA through the shared helpers); the normal
-path's cache reads from the shared helpers (:mod:`mla_backend.ops.paged`)."""
+:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
+ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: torch's bmm, mm and SDPA); the
+normal path's cache reads from the shared helpers (:mod:`mla_backend.ops.paged`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from ...cost import DeviceProfile
 from ...weights import absorb_q, apply_W_UV
-from .. import paged, sdpa
+from .. import dense, paged, sdpa
 from . import ops as native
 from .build import ISA_LEVELS
 from .profile import profile_for
@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from ...dims import MLADims
     from ...parts import PlanPart
     from ...weights import AbsorbWeights
+
+
+#: rows (tokens of a GEMM, query rows x heads of an MHA) from which torch's AMX-backed bf16 ops
+#: serve a call at level ``amx`` (:meth:`Kernels._torch_bf16_is_faster`)
+AMX_TORCH_MIN_ROWS = 256
 
 
 class Kernels:
@@ -45,6 +50,23 @@ class Kernels:
         #: the ISA level the kernels run at (None: the loader's pick); keys the cost profile
         self.isa = isa
         self.num_kv_splits = num_kv_splits
+        self._level: str | None = None
+
+    @property
+    def level(self) -> str:
+        """The ISA level these kernels run at (``isa``, or the process's selected level)."""
+        if self._level is None:
+            self._level = self.isa if self.isa is not None else native.selected_isa()
+        return self._level
+
+    def _torch_bf16_is_faster(self, rows: int) -> bool:
+        """The one dispatch rule for compute-bound bf16 shapes: on a CPU with AMX tiles (level
+        ``amx``) torch's bf16 GEMM and SDPA run on AMX through oneDNN and beat our kernels from
+        :data:`AMX_TORCH_MIN_ROWS` rows on (measured, ``python -m benchmarks gemm``: head GEMM
+        at 512 rows 1.0 vs 2.5 ms, MHA 1.25-1.37x, decompression 41 vs 51 ms per 4K tokens);
+        at every other level our kernels are the fast ones (torch's bf16 GEMM without bf16
+        dot products runs at ~1 GFLOP/s)."""
+        return self.level == "amx" and rows >= AMX_TORCH_MIN_ROWS
 
     def __repr__(self) -> str:
         return f"ops.native.Kernels(isa={self.isa!r}, num_kv_splits={self.num_kv_splits})"
@@ -54,14 +76,13 @@ class Kernels:
         return profile_for(self.isa)
 
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
-        """bf16 weights on a CPU with AVX512-BF16: add their packed copies (W_UK's and W_UV's
-        element count again, padded to even rows and blocks of 64 columns)."""
+        """bf16 CPU weights: add their packed copies (W_UK's and W_UV's element count again,
+        padded to even rows and blocks of 64 columns: 2·H·r·(nope + v) bytes per layer)."""
         if (
             weights.fp8
             or weights.W_UK.dtype != torch.bfloat16
             or weights.W_UV.dtype != torch.bfloat16
             or weights.W_UK.device.type != "cpu"
-            or native.simd_level(self.isa) != "avx512_bf16"
         ):
             return weights
         return replace(
@@ -71,12 +92,20 @@ class Kernels:
         )
 
     def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
-        if weights.W_UK_packed is None or q_nope.dtype != torch.bfloat16:
+        if (
+            weights.W_UK_packed is None
+            or q_nope.dtype != torch.bfloat16
+            or self._torch_bf16_is_faster(q_nope.shape[0])
+        ):
             return absorb_q(q_nope, weights)
         return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1], isa=self.isa)
 
     def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
-        if weights.W_UV_packed is None or o_lat.dtype != torch.bfloat16:
+        if (
+            weights.W_UV_packed is None
+            or o_lat.dtype != torch.bfloat16
+            or self._torch_bf16_is_faster(o_lat.shape[0])
+        ):
             return apply_W_UV(o_lat, weights)
         return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1], isa=self.isa)
 
@@ -88,13 +117,23 @@ class Kernels:
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (
-            q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and q.device.type == "cpu"
-            and native.simd_level(self.isa) == "avx512_bf16"
-        ):
+        bf16 = q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu"
+        if bf16 and not self._torch_bf16_is_faster(q.shape[1] * q.shape[0]):
             return native.attention_with_lse(q, k, v, causal, scale, isa=self.isa)
         return sdpa.attention_with_lse(q, k, v, causal, scale)
+
+    def decompress(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        W_UK: torch.Tensor,
+        W_UV: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ts = (c_kv, k_pe, W_UK, W_UV)
+        bf16 = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
+        if bf16 and not self._torch_bf16_is_faster(c_kv.shape[0]):
+            return native.decompress(c_kv, k_pe, W_UK, W_UV, isa=self.isa)
+        return dense.decompress(c_kv, k_pe, W_UK, W_UV)
 
     def work_shape(
         self,

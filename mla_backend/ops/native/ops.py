@@ -136,7 +136,7 @@ def attention_with_lse(
     *,
     isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multi-head attention with its log-sum-exp (the normal path's MHA), bf16, AVX512-BF16.
+    """Multi-head attention with its log-sum-exp (the normal path's MHA), bf16, any ISA level.
 
     Args:
         q: [H, Lq, Dqk]; k: [H, Lk, Dqk]; v: [H, Lk, Dv]; bfloat16, last dims contiguous (any
@@ -144,7 +144,31 @@ def attention_with_lse(
         causal: top-left causal (key j visible to query i iff j <= i).
         scale: softmax scale of ``q·k``.
     Returns:
-        o [H, Lq, Dv] bfloat16 (probabilities rounded to bf16 before P·V, fp32 sums), lse
+        o [H, Lq, Dv] bfloat16 (fp32 sums; probabilities rounded to bf16 before P·V where the
+        CPU has bf16 dot products), lse
         [H, Lq] float32 (natural log; -inf and o = 0 for a row that sees no key).
     """
     return op_namespace(isa).native_attention_with_lse(q, k, v, bool(causal), float(scale))
+
+
+def decompress(
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    W_UK: torch.Tensor,
+    W_UV: torch.Tensor,
+    *,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normal path's decompression, bf16 (fp32 sums, one rounding; no packed weight copy:
+    c_kv is packed per call, L * r bf16 of scratch).
+
+    Args:
+        c_kv: [L, r]; k_pe: [L, rope]; bfloat16, last dims contiguous (any row stride).
+        W_UK: [H, nope, r]; W_UV: [H, r, v]; bfloat16, any strides.
+        isa: the ISA level that runs it (None: the selected level).
+    Returns:
+        k [H, L, nope + rope] = ``[c_kv·W_UK[h]^T ; k_pe]``, v [H, L, v] = ``c_kv·W_UV[h]``,
+        bfloat16 views of contiguous [L, H, ...] buffers.
+    """
+    k, v = op_namespace(isa).native_decompress(c_kv, k_pe, W_UK, W_UV)
+    return k.transpose(0, 1), v.transpose(0, 1)

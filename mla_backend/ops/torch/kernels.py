@@ -13,7 +13,7 @@ import torch
 from ...cache_layout import CacheLayout
 from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ...weights import AbsorbWeights, absorb_q, apply_W_UV
-from .. import paged, sdpa
+from .. import dense, paged, sdpa
 from . import absorbed
 from .write import write_latent
 
@@ -35,6 +35,7 @@ class Kernels:
     absorb_q = staticmethod(absorb_q)
     apply_W_UV = staticmethod(apply_W_UV)
     attention_with_lse = staticmethod(sdpa.attention_with_lse)
+    decompress = staticmethod(dense.decompress)
     gather_latent = staticmethod(paged.gather_latent)
 
     def __init__(self, **knobs: int) -> None:

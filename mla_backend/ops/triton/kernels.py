@@ -13,7 +13,7 @@ import triton
 
 from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ...weights import absorb_q, apply_W_UV
-from .. import paged, sdpa
+from .. import dense, paged, sdpa
 from . import ops as triton_ops  # by module: tests reload it and patch its functions
 from . import schedule
 from .jit import heuristics as hx
@@ -43,6 +43,7 @@ class Kernels:
     absorb_q = staticmethod(absorb_q)
     apply_W_UV = staticmethod(apply_W_UV)
     attention_with_lse = staticmethod(sdpa.attention_with_lse)
+    decompress = staticmethod(dense.decompress)
     gather_latent = staticmethod(paged.gather_latent)
 
     def __init__(

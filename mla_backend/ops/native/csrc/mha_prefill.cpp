@@ -1,116 +1,154 @@
 // The normal path's attention: plain multi-head attention over decompressed keys and values,
-// with the log-sum-exp, for bf16 on AVX512-BF16 CPUs.
+// with the log-sum-exp, for bf16 at every ISA level.
 //
 //   o[h, i] = softmax_j(scale * q[h, i] · k[h, j]) · v[h, j],   lse[h, i] = log sum_j exp(...)
 //   q [H, Lq, Dqk], k [H, Lk, Dqk], v [H, Lk, Dv] bf16 (last dims contiguous, any other
 //   strides), causal = top-left (key j visible to query i iff j <= i);
 //   o [H, Lq, Dv] bf16, lse [H, Lq] float32 (natural log; -inf and o = 0 for a row with no key)
 //
-// Two passes. (1) Keys and values are packed once per (head, block of kBN keys) into VNNI pairs:
-// K^T as [Dqk / 2][kBN][2] (pairs along the head dim, for the scores), V as [kBN / 2][Dv'][2]
-// (pairs along the keys, for P·V), zero-padded. (2) Work items (head, block of kBM query rows)
-// stream the key blocks up to the causal limit: scores in fp32 (vdpbf16ps, kMR rows x kBN keys
-// in registers), online softmax in fp32, probabilities rounded to bf16 and multiplied into an fp32
-// accumulator of kBM x Dv' (vdpbf16ps again), one division and rounding at the end.
+// Two passes. (1) Keys and values are packed once per (head, block of 64 keys) into the VNNI
+// pairs of gemm_core.h: K^T as [ceil(Dqk / 2)][64][2] (pairs along the head dim, for the
+// scores), V as [32][Dv'][2] (pairs along the keys, for P·V; Dv' = Dv rounded up to 64),
+// zero-padded (scratch: H * Lk' * (Dqk' + Dv') bf16, about the size of k and v). (2) Work items
+// (head, block of 32 query rows) convert their queries once and stream the key blocks up to the
+// causal limit: scores in fp32 (the engine: widened fp32 FMA, vdpbf16ps or AMX tiles by ISA
+// level), online softmax in fp32, P·V into an fp32 accumulator of 32 x Dv' (probabilities
+// rounded to bf16 on the bf16 levels, fp32 on the others), one division and rounding at the end.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <vector>
 
-#include "mla_cpu.h"
+#include "gemm_core.h"
 
 namespace mla_native {
 namespace {
 
-constexpr int64_t kBN = 64;  // keys per block (4 zmm of scores per row)
-constexpr int64_t kBM = 24;  // query rows per work item
-constexpr int kMR = 6;       // rows per register block
-constexpr int64_t kVC = 64;  // value columns per register block
+using mla_core::cdiv;
+using mla_core::kCols;  // keys per block
+using mla_core::VF;
+constexpr int64_t kBM = mla_core::kMaxRows;  // query rows per work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ---- torch-free core --------------------------------------------------------------------
+struct MhaArgs {
+  const uint16_t* q;
+  int64_t qs0, qs1;
+  const uint16_t* k;
+  int64_t ks0, ks1;
+  const uint16_t* v;
+  int64_t vs0, vs1;
+  int64_t H, Lq, Lk, D, Dv;
+  bool causal;
+  float scale;
+  uint16_t* o;  // [H, Lq, Dv]
+  float* lse;   // [H, Lq]
+  int64_t nkb() const { return cdiv(Lk, kCols); }
+  int64_t dvp() const { return mla_core::round_up(std::max<int64_t>(Dv, 1), kCols); }
+  int64_t kblk() const { return cdiv(D, 2) * kCols * 2; }  // uint16 per packed K block
+  int64_t vblk() const { return (kCols / 2) * dvp() * 2; }  // uint16 per packed V block
+};
 
-#ifdef MLA_AVX512BF16
-inline __m512bh pair_of(const uint16_t* x, int64_t k2, int64_t K) {
-  // x[2 * k2], x[2 * k2 + 1] as one broadcast bf16 pair (the second zero past K)
-  uint32_t pair;
-  if (2 * k2 + 1 < K) {
-    std::memcpy(&pair, x + 2 * k2, 4);
-  } else {
-    pair = x[2 * k2];
+// pack K^T and V of (head, key block) items [i0, i1)
+void mha_pack_items(const MhaArgs& a, uint16_t* kpk, uint16_t* vpk, int64_t i0, int64_t i1) {
+  const int64_t nkb = a.nkb();
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t h = it / nkb, kb = it % nkb, n = std::min(kCols, a.Lk - kb * kCols);
+    mla_core::pack_b(a.k + h * a.ks0 + kb * kCols * a.ks1, 1, a.ks1, a.D, n, kCols, kpk + it * a.kblk());
+    uint16_t* vp = vpk + it * a.vblk();
+    std::memset(vp, 0, static_cast<size_t>(a.vblk()) * sizeof(uint16_t));
+    mla_core::pack_b(a.v + h * a.vs0 + kb * kCols * a.vs1, a.vs1, 1, n, a.Dv, a.dvp(), vp);
   }
-  return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
 }
 
-// S[m][0:kBN] = scale * q_m · K block, M rows, fp32.
-template <int M>
-inline void scores(const uint16_t* const* qs, const uint16_t* kp, int64_t D, float scale,
-                   float* S) {
-  __m512 acc[M][4];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int64_t pairs = cdiv(D, 2);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* b = kp + p * kBN * 2;
-    __m512bh bv[4];
-    for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + 32 * j);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh a = pair_of(qs[m], p, D);
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, bv[j]);
+// One row's block of scores s[0:64) (raw q·k) -> probabilities in place, online-softmax state
+// (m, l) updated; keys >= lim are masked. Returns the factor for the row's old accumulator.
+float softmax_block(float* s, int64_t lim, float scale, float& m, float& l) {
+  if (lim <= 0) {
+    std::fill(s, s + kCols, 0.0f);
+    return 1.0f;
+  }
+  for (int64_t j = lim; j < kCols; ++j) s[j] = kNegInf;
+  const VF::T vs = VF::set1(scale);
+  VF::T vmax = VF::set1(kNegInf);
+  for (int64_t j = 0; j < kCols; j += VF::W) {
+    const VF::T x = VF::mul(VF::load(s + j), vs);
+    VF::store(s + j, x);
+    vmax = VF::max(vmax, x);
+  }
+  const float mx = std::max(m, VF::hmax(vmax));
+  if (mx == kNegInf) {  // every visible score is -inf: nothing to add
+    std::fill(s, s + kCols, 0.0f);
+    return 1.0f;
+  }
+  const VF::T vmx = VF::set1(mx);
+  VF::T vsum = VF::zero();
+  for (int64_t j = 0; j < kCols; j += VF::W) {
+    const VF::T p = mla_core::vexp(VF::sub(VF::load(s + j), vmx));
+    VF::store(s + j, p);
+    vsum = VF::add(vsum, p);
+  }
+  const float alpha = m == kNegInf ? 1.0f : std::exp(m - mx);
+  l = l * alpha + VF::hsum(vsum);
+  m = mx;
+  return alpha;
+}
+
+// query blocks (head, block of kBM rows) [i0, i1)
+void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk, int64_t i0,
+                     int64_t i1) {
+  const int64_t nkb = a.nkb(), nqb = cdiv(a.Lq, kBM), Dvp = a.dvp();
+  std::vector<mla_core::AElem> aq(static_cast<size_t>(mla_core::a_panel_elems(a.D)));
+  std::vector<mla_core::AElem> ap(static_cast<size_t>(mla_core::a_panel_elems(kCols)));
+  std::vector<float> S(static_cast<size_t>(kBM * kCols)), O(static_cast<size_t>(kBM * Dvp));
+  float m[kBM], l[kBM], alpha[kBM];
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t h = it / nqb, q0 = (it % nqb) * kBM;
+    const int M = static_cast<int>(std::min(kBM, a.Lq - q0));
+    std::fill(O.begin(), O.end(), 0.0f);
+    std::fill(m, m + kBM, kNegInf);
+    std::fill(l, l + kBM, 0.0f);
+    const auto Aq = mla_core::pack_a(a.q + h * a.qs0 + q0 * a.qs1, a.qs1, 1, M, a.D, aq.data());
+    const int64_t kb_end = a.causal ? std::min(nkb, cdiv(std::min<int64_t>(q0 + M, a.Lk), kCols)) : nkb;
+    for (int64_t kb = 0; kb < kb_end; ++kb) {
+      mla_core::gemm(Aq, kpk + (h * nkb + kb) * a.kblk(), kCols, kCols, S.data(), kCols, false);
+      const int64_t j0 = kb * kCols;
+      bool rescale = false;
+      for (int r = 0; r < M; ++r) {
+        int64_t lim = std::min(kCols, a.Lk - j0);
+        if (a.causal) lim = std::min(lim, q0 + r - j0 + 1);
+        alpha[r] = softmax_block(S.data() + r * kCols, lim, a.scale, m[r], l[r]);
+        rescale |= alpha[r] != 1.0f;
+      }
+      if (rescale) {
+        for (int r = 0; r < M; ++r) {
+          if (alpha[r] == 1.0f) continue;
+          const VF::T va = VF::set1(alpha[r]);
+          float* orow = O.data() + r * Dvp;
+          for (int64_t c = 0; c < Dvp; c += VF::W) VF::store(orow + c, VF::mul(VF::load(orow + c), va));
+        }
+      }
+      const auto Ap = mla_core::pack_a_f32(S.data(), kCols, M, kCols, ap.data());
+      mla_core::gemm(Ap, vpk + (h * nkb + kb) * a.vblk(), Dvp, Dvp, O.data(), Dvp, true);
+    }
+    for (int r = 0; r < M; ++r) {
+      uint16_t* orow = a.o + (h * a.Lq + q0 + r) * a.Dv;
+      float* acc = O.data() + r * Dvp;
+      if (l[r] > 0.0f) {
+        const VF::T inv = VF::set1(1.0f / l[r]);
+        for (int64_t c = 0; c < Dvp; c += VF::W) VF::store(acc + c, VF::mul(VF::load(acc + c), inv));
+        mla_core::store_bf16(acc, Dvp, 1, a.Dv, orow, 0, 1);
+        a.lse[h * a.Lq + q0 + r] = m[r] + std::log(l[r]);
+      } else {
+        std::fill(orow, orow + a.Dv, uint16_t(0));
+        a.lse[h * a.Lq + q0 + r] = kNegInf;
+      }
     }
   }
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(S + m * kBN + 16 * j, _mm512_mul_ps(acc[m][j], vs));
 }
 
-// O[m][c0:c0+kVC] += P[m] · V block (columns c0..), M rows; P as bf16 pairs (kBN / 2 per row).
-template <int M>
-inline void pv(const uint32_t* P, const uint16_t* vp, int64_t Dvp, int64_t c0, float* O) {
-  __m512 acc[M][4];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_loadu_ps(O + m * Dvp + c0 + 16 * j);
-  for (int64_t p = 0; p < kBN / 2; ++p) {
-    const uint16_t* b = vp + (p * Dvp + c0) * 2;
-    __m512bh bv[4];
-    for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + 32 * j);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(P[m * (kBN / 2) + p]));
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], a, bv[j]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(O + m * Dvp + c0 + 16 * j, acc[m][j]);
-}
-
-inline void scores_rows(int M, const uint16_t* const* qs, const uint16_t* kp, int64_t D,
-                        float scale, float* S) {
-  switch (M) {
-    case 1: return scores<1>(qs, kp, D, scale, S);
-    case 2: return scores<2>(qs, kp, D, scale, S);
-    case 3: return scores<3>(qs, kp, D, scale, S);
-    case 4: return scores<4>(qs, kp, D, scale, S);
-    case 5: return scores<5>(qs, kp, D, scale, S);
-    default: return scores<6>(qs, kp, D, scale, S);
-  }
-}
-
-inline void pv_rows(int M, const uint32_t* P, const uint16_t* vp, int64_t Dvp, int64_t c0,
-                    float* O) {
-  switch (M) {
-    case 1: return pv<1>(P, vp, Dvp, c0, O);
-    case 2: return pv<2>(P, vp, Dvp, c0, O);
-    case 3: return pv<3>(P, vp, Dvp, c0, O);
-    case 4: return pv<4>(P, vp, Dvp, c0, O);
-    case 5: return pv<5>(P, vp, Dvp, c0, O);
-    default: return pv<6>(P, vp, Dvp, c0, O);
-  }
-}
-
-inline uint16_t bf16_rne(float f) { return c10::BFloat16(f).x; }
-#endif
-
+// ---- torch layer ------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, bool causal,
                                                       double scale) {
@@ -130,123 +168,18 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const
   }
   auto o = at::empty({H, Lq, Dv}, q.options());
   auto lse = at::empty({H, Lq}, q.options().dtype(at::kFloat));
-#ifndef MLA_AVX512BF16
-  TORCH_CHECK(false, "native_attention_with_lse needs a CPU with AVX512-BF16 (built without it)");
-#else
   if (H == 0 || Lq == 0) return {o, lse};
-  const int64_t nkb = cdiv(Lk, kBN), pairs = cdiv(D, 2), Dvp = cdiv(std::max<int64_t>(Dv, 1), kVC) * kVC;
-  const int64_t kblk = pairs * kBN * 2, vblk = (kBN / 2) * Dvp * 2;  // uint16 per packed block
-  std::vector<uint16_t> kpk(static_cast<size_t>(H * nkb * kblk)), vpk(static_cast<size_t>(H * nkb * vblk));
-  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
-  // (1) pack K^T and V per (head, key block)
-  at::parallel_for(0, H * nkb, 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t h = it / nkb, kb = it % nkb;
-      uint16_t* kp = kpk.data() + it * kblk;
-      uint16_t* vp = vpk.data() + it * vblk;
-      std::fill(kp, kp + kblk, uint16_t(0));
-      std::fill(vp, vp + vblk, uint16_t(0));
-      const int64_t n = std::min(kBN, Lk - kb * kBN);
-      for (int64_t j = 0; j < n; ++j) {
-        const uint16_t* kr = kd + h * ks0 + (kb * kBN + j) * ks1;
-        for (int64_t d = 0; d < D; ++d) kp[((d / 2) * kBN + j) * 2 + (d & 1)] = kr[d];
-        const uint16_t* vr = vd + h * vs0 + (kb * kBN + j) * vs1;
-        uint16_t* vrow = vp + ((j / 2) * Dvp) * 2 + (j & 1);
-        for (int64_t c = 0; c < Dv; ++c) vrow[2 * c] = vr[c];
-      }
-    }
+  MhaArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0), q.stride(1),
+            reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()), k.stride(0), k.stride(1),
+            reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), v.stride(0), v.stride(1),
+            H, Lq, Lk, D, Dv, causal, static_cast<float>(scale),
+            reinterpret_cast<uint16_t*>(o.data_ptr<at::BFloat16>()), lse.data_ptr<float>()};
+  const int64_t nkb = a.nkb();
+  std::vector<uint16_t> kpk(static_cast<size_t>(H * nkb * a.kblk())), vpk(static_cast<size_t>(H * nkb * a.vblk()));
+  at::parallel_for(0, H * nkb, 1, [&](int64_t b, int64_t e) { mha_pack_items(a, kpk.data(), vpk.data(), b, e); });
+  at::parallel_for(0, H * cdiv(Lq, kBM), 1, [&](int64_t b, int64_t e) {
+    mha_query_items(a, kpk.data(), vpk.data(), b, e);
   });
-  // (2) query blocks
-  const int64_t nqb = cdiv(Lq, kBM);
-  uint16_t* od = reinterpret_cast<uint16_t*>(o.data_ptr<at::BFloat16>());
-  float* ld = lse.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, H * nqb, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> S(kBM * kBN), O(kBM * Dvp), m(kBM), l(kBM);
-    std::vector<uint32_t> P(kBM * (kBN / 2));
-    std::vector<float> alpha(kBM);
-    const uint16_t* qs[kMR];
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t h = it / nqb, i0 = (it % nqb) * kBM;
-      const int64_t M = std::min(kBM, Lq - i0);
-      std::fill(O.begin(), O.end(), 0.0f);
-      std::fill(m.begin(), m.end(), kNegInf);
-      std::fill(l.begin(), l.end(), 0.0f);
-      const int64_t kb_end = causal ? std::min(nkb, cdiv(std::min(i0 + M, Lk), kBN)) : nkb;
-      for (int64_t kb = 0; kb < kb_end; ++kb) {
-        const uint16_t* kp = kpk.data() + (h * nkb + kb) * kblk;
-        for (int64_t r0 = 0; r0 < M; r0 += kMR) {
-          const int R = static_cast<int>(std::min<int64_t>(kMR, M - r0));
-          for (int r = 0; r < R; ++r) qs[r] = qd + h * qs0 + (i0 + r0 + r) * qs1;
-          scores_rows(R, qs, kp, D, fscale, S.data() + r0 * kBN);
-        }
-        const int64_t j0 = kb * kBN;
-        bool any_alpha = false;
-        std::fill(alpha.begin(), alpha.end(), 1.0f);
-        for (int64_t r = 0; r < M; ++r) {
-          float* s = S.data() + r * kBN;
-          int64_t lim = std::min(kBN, Lk - j0);  // valid keys of this block for row r
-          if (causal) lim = std::min(lim, i0 + r - j0 + 1);
-          float mx = m[r];
-          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, s[j]);
-          uint32_t* prow = P.data() + r * (kBN / 2);
-          if (lim <= 0 || mx == kNegInf) {
-            std::fill(prow, prow + kBN / 2, 0u);
-            continue;
-          }
-          // the first block a row sees: nothing to rescale (O and l are 0)
-          const float a = m[r] == kNegInf ? 1.0f : std::exp(m[r] - mx);
-          float sum = 0.0f;
-          uint16_t pb[kBN];
-          for (int64_t j0v = 0; j0v < kBN; j0v += 16) {
-            __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j0v), _mm512_set1_ps(mx));
-            const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, lim - j0v));
-            const __mmask16 keep = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-            __m512 p = _mm512_maskz_mov_ps(keep, exp512(x));
-            sum += _mm512_reduce_add_ps(p);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j0v), (__m256i)_mm512_cvtneps_pbh(p));
-          }
-          std::memcpy(prow, pb, sizeof(pb));
-          l[r] = l[r] * a + sum;
-          m[r] = mx;
-          alpha[r] = a;
-          if (a != 1.0f) any_alpha = true;
-        }
-        if (any_alpha) {
-          for (int64_t r = 0; r < M; ++r) {
-            if (alpha[r] == 1.0f) continue;
-            float* orow = O.data() + r * Dvp;
-            const __m512 va = _mm512_set1_ps(alpha[r]);
-            for (int64_t c = 0; c < Dvp; c += 16)
-              _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), va));
-          }
-        }
-        const uint16_t* vp = vpk.data() + (h * nkb + kb) * vblk;
-        for (int64_t r0 = 0; r0 < M; r0 += kMR) {
-          const int R = static_cast<int>(std::min<int64_t>(kMR, M - r0));
-          for (int64_t c0 = 0; c0 < Dvp; c0 += kVC)
-            pv_rows(R, P.data() + r0 * (kBN / 2), vp, Dvp, c0, O.data() + r0 * Dvp);
-        }
-      }
-      for (int64_t r = 0; r < M; ++r) {
-        uint16_t* orow = od + (h * Lq + i0 + r) * Dv;
-        const float* acc = O.data() + r * Dvp;
-        if (l[r] > 0.0f) {
-          const float inv = 1.0f / l[r];
-          for (int64_t c = 0; c < Dv; ++c) orow[c] = bf16_rne(acc[c] * inv);
-          ld[h * Lq + i0 + r] = m[r] + std::log(l[r]);
-        } else {
-          std::fill(orow, orow + Dv, uint16_t(0));
-          ld[h * Lq + i0 + r] = kNegInf;
-        }
-      }
-    }
-  });
-#endif
   return {o, lse};
 }
 
