@@ -85,6 +85,16 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
         "control), before vLLM's own code derives SPEC_DECODE_BACKENDS and "
         "BACKEND_BLOCK_SIZES from the list",
     ),
+    (
+        "    if hf_config_override and current_platform.is_xpu():\n",
+        "    if hf_config_override and (  # mla-backend grid patch 3\n"
+        "        current_platform.is_xpu() or current_platform.is_cpu()\n"
+        "    ):\n",
+        "the tensor_parallel_size axis lowers num_attention_heads in hf_config after the "
+        "model config derived its head count from it; vLLM refreshes model_arch_config's "
+        "count for XPU only, so on CPU every case would run 128 heads: refresh it on CPU too "
+        "(tp 1/4/8/16 = 128/32/16/8 heads)",
+    ),
 )
 
 
@@ -216,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = fetch_tests()
     check_installed_sources(root)
+    keep = os.environ.get("MLA_GRID_KEEP")  # a folder to keep the run's files in (debugging)
     with tempfile.TemporaryDirectory(prefix="mla-vllm-grid-") as tmp:
-        run_dir = Path(tmp)
+        run_dir = Path(keep or tmp)
+        if keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
         prepare_run_dir(root, run_dir)
         report = run_dir / "report.json"
         env = dict(os.environ)
