@@ -256,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         if rc == 0 and not report.exists():
             print("[vllm-grid] no report written: the grid conftest did not run")
             return 1
+        if rc == 0 and args.select == "slice":
+            # every MLA_ABSORB case of the slice must have run its comparison
+            rows = json.loads(report.read_text())["rows"]
+            ours = [r for r in rows if r["backend"] == "MLA_ABSORB"]
+            if not ours or any(r.get("skipped", 0) or not r.get("passed", 0) for r in ours):
+                print(f"[vllm-grid] slice: MLA_ABSORB cases skipped or missing: {ours}")
+                return 1
     return rc
 
 
