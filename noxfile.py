@@ -2,6 +2,7 @@
 
     python3 -m pip install nox && python3 -m nox            # lint, core, triton, vllm, sglang
     python3 -m nox -s demo                                   # the main job (vLLM, tiny model)
+    python3 -m nox -s vllm_grid                              # vLLM's whole MLA backend grid
 
 torch is pinned to 2.13.0 here (a CPU wheel is on the machines' disk; an unpinned torch pulls
 a multi-GB CUDA build).
@@ -71,11 +72,25 @@ def _vllm_env(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
 
 
+GRID = "integrations/vllm/upstream/run_grid.py"
+
+
 @nox.session
 def vllm(session: nox.Session) -> None:
-    """vLLM integration tests, in their own environment."""
+    """vLLM integration tests, in their own environment, then a slice of vLLM's own MLA
+    backend grid (tests/v1/attention/test_mla_backends.py of the vllm==0.32.0 sdist, fetched
+    and cached on first use) against MLA_ABSORB, with CPU_MLA as control."""
     _vllm_env(session)
     _pytest(session, "integrations/vllm/tests")
+    session.run("python", GRID, "--select", "slice")
+
+
+@nox.session
+def vllm_grid(session: nox.Session) -> None:
+    """vLLM's whole MLA backend grid against MLA_ABSORB (and CPU_MLA as control); extra
+    pytest arguments after ``--``. Not in the default sessions (hours on a 2-core CPU)."""
+    _vllm_env(session)
+    session.run("python", GRID, "--select", "all", "--", *session.posargs)
 
 
 @nox.session

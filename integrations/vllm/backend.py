@@ -34,6 +34,7 @@ import torch
 from mla_backend_integrations._common import engine_cache_view, pad_rows
 from mla_backend_integrations.vllm import BACKEND_NAME
 from mla_backend_integrations.vllm.plugin import check_vllm_version
+from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -161,6 +162,9 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: int | None = None  # no reordering: the policy routes requests
+    # any query lengths, mixed in one batch (speculative verify rows included); read by
+    # vLLM's MLA backend test grid to run its spec-decode rows
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
 
     def __init__(
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
