@@ -18,7 +18,7 @@ from ...cost import DeviceProfile
 from ...weights import absorb_q, apply_W_UV
 from .. import dense, paged, sdpa
 from . import ops as native
-from .build import ISA_LEVELS
+from .build import ISA_LEVELS, selected_isa
 from .profile import profile_for
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class Kernels:
     def level(self) -> str:
         """The ISA level these kernels run at (``isa``, or the process's selected level)."""
         if self._level is None:
-            self._level = self.isa if self.isa is not None else native.selected_isa()
+            self._level = self.isa if self.isa is not None else selected_isa()
         return self._level
 
     def _torch_bf16_is_faster(self, rows: int) -> bool:
