@@ -7,7 +7,7 @@ import torch
 
 import mla_backend as mb
 from mla_backend.ops.native import Kernels as NativeKernels
-from mla_backend.ops.native.profile import CPU_NATIVE_PROFILE
+from mla_backend.ops.native.profile import CPU_NATIVE_PROFILE, PROFILES
 from mla_backend.policy import CPU_PROFILE, absorbed_cost, normal_cost
 
 DEEPSEEK = mb.MLADims(128, 512, 128, 64, 128)
@@ -98,6 +98,23 @@ def test_native_profile_crossover(dims: mb.MLADims) -> None:
     b = batch([0, 4000, 0, 4000], [1, 1, 2048, 16], mb.Phase.MIXED)
     profile = NativeKernels().cost_profile(torch.device("cpu"))
     assert p.choose(b, dims, profile).use_absorbed == [True, True, False, True]
+
+
+@pytest.mark.parametrize("level", sorted(k for k in PROFILES if k is not None))
+@pytest.mark.parametrize("dims", [DEEPSEEK, LITE], ids=["deepseek", "lite"])
+def test_every_level_profile_is_sane(level: str, dims: mb.MLADims) -> None:
+    """Each ISA level's profile: decodes and 16-token extends onto a long prefix stay
+    absorbed, a 2K fresh prefill goes normal, one switch per prefix length. (At ``amx`` the
+    switch onto a 1K prefix comes before the fresh one: measured, 32 new tokens onto 1024
+    run 5.6 ms normal vs 6.1 ms absorbed, fresh 1.5 vs 0.7.)"""
+    profile = PROFILES[level]
+    for prefix in (4000, 16384):
+        for new in (1, 16):
+            absorbed = absorbed_cost(dims, prefix, new, profile)
+            assert absorbed < normal_cost(dims, prefix, new, profile)
+    assert normal_cost(dims, 0, 2048, profile) < absorbed_cost(dims, 0, 2048, profile)
+    for prefix in (0, 1024, 4096, 16384):
+        switch_point(dims, prefix, profile)  # asserts a single switch
 
 
 def test_env_selects_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,7 +73,7 @@ class Kernels:
 
     def cost_profile(self, device: torch.device) -> DeviceProfile:
         """The measured profile of the native kernels at this ISA level (:mod:`.profile`)."""
-        return profile_for(self.isa)
+        return profile_for(self.level)
 
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
         """bf16 CPU weights: add their packed copies (W_UK's and W_UV's element count again,

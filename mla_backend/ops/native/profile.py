@@ -2,9 +2,9 @@
 
 Measured on the project's CPUs (2 threads): the absorbed attention and, for bf16, the normal
 path's MHA run near the machine's peak, the normal path paying a fixed per-request cost (fitted
-to the policy benchmark, see ``benchmarks/results/mla_policy-latest.md``: fresh prefills of
->= ~128-192 tokens go normal). Every level has today's numbers until each is refitted on its
-own build.
+to the policy benchmark, ``benchmarks/results/policy-history.md``: fresh prefills of >= ~128-192
+tokens go normal). Levels other than ``amx`` keep that avx512_bf16 fit (2026-11-23, AMD Zen 4)
+until each is refitted on its own build.
 """
 
 from __future__ import annotations
@@ -20,6 +20,22 @@ CPU_NATIVE_PROFILE = DeviceProfile(
     normal_overhead=0.6e-3,
 )
 
+#: Level ``amx``: torch's AMX-backed bf16 GEMM and SDPA serve the normal path's big calls (the
+#: dispatch rule in :mod:`.kernels`), so the normal path is far cheaper there; the absorbed
+#: attention runs the avx512_bf16 engine. Peak: the AMX bf16 GEMM ceiling measured in the
+#: decode benchmark (1.49 TFLOP/s, 2 threads); efficiencies and overhead fitted to
+#: ``python -m benchmarks policy`` at that level (2026-11-24, Xeon Sapphire Rapids class):
+#: 6 shapes at 16 heads (P 0/1024, N 32/128/512) plus the layer benchmark's fresh prefills
+#: (16 x 1024, 128 x 512), all picked right (the old profile: 3/6).
+CPU_NATIVE_AMX_PROFILE = DeviceProfile(
+    peak_flops=1.5e12,
+    bandwidth=7.8e9,
+    absorbed_efficiency=0.3,
+    attn_efficiency=0.8,
+    cache_bytes=32 * 2**20,
+    normal_overhead=0.3e-3,
+)
+
 #: profile by ISA level of the native build (None: the level the loader picked)
 PROFILES: dict[str | None, DeviceProfile] = {
     None: CPU_NATIVE_PROFILE,
@@ -27,7 +43,7 @@ PROFILES: dict[str | None, DeviceProfile] = {
     "avx2": CPU_NATIVE_PROFILE,
     "avx512": CPU_NATIVE_PROFILE,
     "avx512_bf16": CPU_NATIVE_PROFILE,
-    "amx": CPU_NATIVE_PROFILE,
+    "amx": CPU_NATIVE_AMX_PROFILE,
 }
 
 
