@@ -34,6 +34,7 @@ This module owns:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -107,7 +108,10 @@ def level_flags(isa: str) -> list[str]:
     return flags
 
 
+@functools.cache
 def _proc_cpu_flags() -> frozenset[str] | None:
+    """The flags line of ``/proc/cpuinfo`` (read once per process: every op call resolves its
+    level through :func:`cpu_features`)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -129,10 +133,16 @@ def cpu_features() -> frozenset[str]:
             flags |= set(_LEVEL_SPEC["avx2"][1])
         if cap == "AVX512":
             flags |= set(_LEVEL_SPEC["avx512"][1])
-    amx_ok = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if amx_ok is not None and amx_ok():
+    if _amx_os():
         flags = flags | {"amx_os"}
     return frozenset(flags)
+
+
+@functools.cache
+def _amx_os() -> bool:
+    """Whether this process may use AMX tiles (torch asks the OS once; asked once here)."""
+    amx_ok = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx_ok is not None and amx_ok())
 
 
 def missing_features(isa: str, features: frozenset[str] | None = None) -> list[str]:

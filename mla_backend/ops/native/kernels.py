@@ -87,8 +87,8 @@ class Kernels:
             return weights
         return replace(
             weights,
-            W_UK_packed=native.pack_heads(weights.W_UK, isa=self.isa),
-            W_UV_packed=native.pack_heads(weights.W_UV, isa=self.isa),
+            W_UK_packed=native.pack_heads(weights.W_UK, isa=self.level),
+            W_UV_packed=native.pack_heads(weights.W_UV, isa=self.level),
         )
 
     def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
@@ -98,7 +98,7 @@ class Kernels:
             or self._torch_bf16_is_faster(q_nope.shape[0])
         ):
             return absorb_q(q_nope, weights)
-        return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1], isa=self.isa)
+        return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1], isa=self.level)
 
     def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
         if (
@@ -107,7 +107,7 @@ class Kernels:
             or self._torch_bf16_is_faster(o_lat.shape[0])
         ):
             return apply_W_UV(o_lat, weights)
-        return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1], isa=self.isa)
+        return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1], isa=self.level)
 
     def attention_with_lse(
         self,
@@ -119,7 +119,7 @@ class Kernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bf16 = q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu"
         if bf16 and not self._torch_bf16_is_faster(q.shape[1] * q.shape[0]):
-            return native.attention_with_lse(q, k, v, causal, scale, isa=self.isa)
+            return native.attention_with_lse(q, k, v, causal, scale, isa=self.level)
         return sdpa.attention_with_lse(q, k, v, causal, scale)
 
     def decompress(
@@ -132,7 +132,7 @@ class Kernels:
         ts = (c_kv, k_pe, W_UK, W_UV)
         bf16 = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
         if bf16 and not self._torch_bf16_is_faster(c_kv.shape[0]):
-            return native.decompress(c_kv, k_pe, W_UK, W_UV, isa=self.isa)
+            return native.decompress(c_kv, k_pe, W_UK, W_UV, isa=self.level)
         return dense.decompress(c_kv, k_pe, W_UK, W_UV)
 
     def work_shape(
@@ -153,7 +153,7 @@ class Kernels:
         slot_mapping: torch.Tensor,
         kv_scale: torch.Tensor | None,
     ) -> None:
-        native.write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale, isa=self.isa)
+        native.write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale, isa=self.level)
 
     def absorbed_attention(
         self,
@@ -178,5 +178,5 @@ class Kernels:
             kv_scale,
             part.work.num_kv_splits,
             part.max_page_id,
-            isa=self.isa,
+            isa=self.level,
         )
