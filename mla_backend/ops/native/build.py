@@ -9,7 +9,7 @@ This module owns:
         return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
 
 - the ISA levels (:data:`ISA_LEVELS`, lowest first) and their compiler flags: each level gets
-  explicit flags (never ``-march=native``), the macros ``MLA_ISA_<LEVEL>`` (exactly one),
+  explicit flags (never a tune-for-this-CPU flag), the macros ``MLA_ISA_<LEVEL>`` (exactly one),
   cumulative ``MLA_HAS_AVX2`` / ``MLA_HAS_AVX512`` / ``MLA_HAS_AVX512BF16`` / ``MLA_HAS_AMX``,
   ``MLA_OPS_NS`` (the ``torch.library`` namespace ``mla_backend_<level>``) and a C++ namespace
   of its own (``mla_native`` is renamed ``mla_native_<level>``), so several levels load into one
