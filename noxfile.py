@@ -1,6 +1,6 @@
 """Test and demo sessions. Each engine gets its own environment (their pins clash).
 
-    python3 -m pip install nox && python3 -m nox            # lint, core, triton, vllm, sglang
+    python3 -m pip install nox && python3 -m nox    # lint, core, cores, triton, vllm, sglang
     python3 -m nox -s demo                                   # the main job (vLLM, tiny model)
     python3 -m nox -s vllm_grid                              # vLLM's whole MLA backend grid
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "core", "triton", "vllm", "sglang"]
+nox.options.sessions = ["lint", "core", "cores", "triton", "vllm", "sglang"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
@@ -41,14 +41,27 @@ def core(session: nox.Session) -> None:
     CPU, compiled on first use), once forced onto the torch fallback."""
     session.install(TORCH)
     session.install("-e", ".[test]")
-    _pytest(session, "tests", "--ignore=tests/triton_path")
+    _pytest(session, "tests", "--ignore=tests/triton_path", "--ignore=tests/native_core")
     _pytest(
         session,
         "tests",
         "--ignore=tests/triton_path",
+        "--ignore=tests/native_core",
         "--ignore=tests/test_native.py",
         env={"MLA_BACKEND_IMPL": "torch"},
     )
+
+
+@nox.session
+def cores(session: nox.Session) -> None:
+    """The native kernels' torch-free cores through one C++ driver (tests/native_core/): every
+    x86-64 ISA level of this CPU natively and under ASan/UBSan, every aarch64 level under
+    qemu-user (SVE levels at 128/256/512-bit vectors). First installs the cross compiler and
+    qemu-user with apt-get where they are missing and this is root (printing what it did)."""
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "mla_backend.testing.cross_tools")
+    _pytest(session, "tests/native_core")
 
 
 @nox.session

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import mla_backend as mb
-from mla_backend.cache_layout import FP8_TILE, CacheLayout
+from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
 from mla_backend.testing.cases import make_case
+from mla_backend.testing.native_checks import check_absorbed as _check
 
 if not native.host_isas():
     pytest.skip("the native kernels target x86-64 (no ISA level here)", allow_module_level=True)
@@ -82,115 +83,6 @@ def _run_case(
         q_lat, q_pe, case.kv_cache, bt, cu, kvl, scale, case.kv_scale, splits, isa=isa
     )
     return case, q_lat, q_pe, scale, o, lse
-
-
-def _references(case, q_lat, q_pe, scale, qdt):
-    """(o64, lse64, o_plain): float64 reference and a plain compute-dtype one (fp32 scores and
-    softmax, probabilities rounded to the compute dtype before P·V, fp32 accumulation, the
-    output rounded to the compute dtype)."""
-    T, H, r = q_lat.shape
-    o64 = torch.zeros(T, H, r, dtype=torch.float64)
-    lse64 = torch.zeros(T, H, dtype=torch.float64)
-    o_pl = torch.zeros(T, H, r, dtype=torch.float32)
-    cu = case.batch.cu_new
-    for i, (c, kp) in enumerate(zip(case.c_kv, case.k_pe)):
-        n = cu[i + 1] - cu[i]
-        if n == 0:
-            continue
-        L = c.shape[0]
-        ql, qp = q_lat[cu[i] : cu[i + 1]], q_pe[cu[i] : cu[i + 1]]
-        pos = torch.arange(L)
-        qpos = L - n + torch.arange(n)
-        mask = pos[None, :] > qpos[:, None]  # [n, L]
-        # float64
-        s = (ql.double() @ c.double().T + qp.double() @ kp.double().T) * scale  # [n, H, L]
-        s = s.masked_fill(mask[:, None, :], float("-inf"))
-        lse64[cu[i] : cu[i + 1]] = torch.logsumexp(s, -1)
-        o64[cu[i] : cu[i + 1]] = torch.softmax(s, -1) @ c.double()
-        # plain compute dtype
-        cq = c.to(qdt).float()
-        kq = kp.to(qdt).float()
-        s32 = (ql.float() @ cq.T + qp.float() @ kq.T) * scale
-        s32 = s32.masked_fill(mask[:, None, :], float("-inf"))
-        m = s32.amax(-1, keepdim=True)
-        p = torch.exp(s32 - m)
-        lsum = p.sum(-1, keepdim=True)
-        o_pl[cu[i] : cu[i + 1]] = ((p.to(qdt).float() @ cq) / lsum).to(qdt).float()
-    return o64, lse64, o_pl
-
-
-def _ds_emulation(case, q_lat, q_pe, scale, qdt):
-    """What the bf16 engine computes on an ``fp8_ds_mla`` cache, from the stored bytes: fp32
-    scores over e4m3 x tile scale and k_pe, fp32 softmax, each probability times its kv row's
-    tile scale rounded to ``qdt``, times the e4m3 values, fp32 sums, output rounded to ``qdt``.
-    Returns float32 [T, H, r] and the same sums over absolute values (the scale of the
-    rounding errors of a sum with cancellation)."""
-    T, H, r = q_lat.shape
-    rope = q_pe.shape[-1]
-    lay = CacheLayout.ds_mla(r, rope, qdt)
-    ps = case.kv_cache.shape[1]
-    bt, cu = case.batch.block_table, case.batch.cu_new
-    out, mag = torch.zeros(T, H, r), torch.zeros(T, H, r)
-    for i, L in enumerate(case.batch.kv_lens):
-        n = cu[i + 1] - cu[i]
-        if n == 0:
-            continue
-        pos = torch.arange(L)
-        rows = case.kv_cache[bt[i, pos // ps].long(), pos % ps]  # [L, width] uint8
-        v8 = rows[:, :r].contiguous().view(FP8).float()
-        sc = rows[:, lay.scale_offset : lay.rope_offset].contiguous().view(torch.float32)
-        kp = rows[:, lay.rope_offset :].contiguous().view(qdt).float()
-        c = v8 * sc.repeat_interleave(FP8_TILE, 1)[:, :r]
-        ql, qp = q_lat[cu[i] : cu[i + 1]].float(), q_pe[cu[i] : cu[i + 1]].float()
-        s = (ql @ c.T + qp @ kp.T) * scale  # [n, H, L]
-        qpos = L - n + torch.arange(n)
-        s = s.masked_fill((pos[None, :] > qpos[:, None])[:, None, :], float("-inf"))
-        p = torch.exp(s - s.amax(-1, keepdim=True))
-        o, a = torch.zeros(n, H, r), torch.zeros(n, H, r)
-        for t in range(lay.tiles):
-            cols = slice(t * FP8_TILE, (t + 1) * FP8_TILE)
-            ps_t = (p * sc[:, t]).to(qdt).float()
-            o[..., cols] = ps_t @ v8[:, cols]
-            a[..., cols] = ps_t.abs() @ v8[:, cols].abs()
-        lsum = p.sum(-1, keepdim=True)
-        out[cu[i] : cu[i + 1]] = (o / lsum).to(qdt).float()
-        mag[cu[i] : cu[i + 1]] = a / lsum
-    return out, mag
-
-
-def _check(case, q_lat, q_pe, scale, o, lse, qdt):
-    T, H, r = q_lat.shape
-    assert o.shape == (T, H, r) and o.dtype == qdt
-    assert lse.shape == (T, H) and lse.dtype == torch.float32
-    o64, lse64, o_pl = _references(case, q_lat, q_pe, scale, qdt)
-    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
-    err = (o.double() - o64).abs().max().item()
-    lse_err = (lse.double() - lse64).abs().max().item()
-    assert lse_err <= 1e-3, f"lse error {lse_err:.2e}"
-    if qdt == torch.float32:
-        bound = 2e-5 * max(1.0, o64.abs().max().item())
-        assert err <= bound, f"fp32 error {err:.3e} > {bound:.3e}"
-    elif case.kv_cache.dtype == DS and qdt == torch.bfloat16:
-        # the kernel rounds p x tile scale (not p) to bf16 and keeps the e4m3 values exact:
-        # a rounding of its own, checked against its emulation (slack: one bf16 ulp of the
-        # output plus one of the sum of |terms|, since the emulation's p differs from the
-        # kernel's in the last fp32 bits, which can flip a bf16 rounding of p x scale, and the
-        # sums run in another order; a wrongly applied tile scale is off by O(|terms|)) and,
-        # looser, against float64
-        emu, mag = _ds_emulation(case, q_lat, q_pe, scale, qdt)
-        bound = 2.0**-7 * (emu.abs() + mag) + 1e-6
-        bad = (o.float() - emu).abs() > bound
-        assert not bad.any(), f"{int(bad.sum())} outputs differ from the emulation"
-        err_pl = (o_pl.double() - o64).abs().max().item()
-        bound = 1.1 * err_pl + 2.0**-8 * max(1.0, o64.abs().max().item())
-        assert err <= bound, f"error {err:.3e} > {bound:.3e} (plain {qdt} {err_pl:.3e})"
-    else:
-        # plus an eighth of a bf16 ulp at 1: a single output's rounding can land either way
-        # (seen at H=2, one decode token: 1.08e-3 vs the plain reference's 0.88e-3)
-        err_pl = (o_pl.double() - o64).abs().max().item()
-        bound = 1.1 * err_pl + 2.0**-10 * max(1.0, o64.abs().max().item())
-        assert err <= bound, f"error {err:.3e} > {bound:.3e} (plain {qdt} {err_pl:.3e})"
-    return err, lse_err
 
 
 MIXED = ([0, 5, 37, 0, 64, 3], [1, 1, 4, 9, 1, 0])  # zero-prefix extends, decodes, n=0 request

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
+from mla_backend.testing.native_checks import check_bf16_gemm
 
 if not native.host_isas():
     pytest.skip("no native ISA level runs on this machine", allow_module_level=True)
@@ -40,10 +41,7 @@ def _check(isa: str, L: int, H: int, r: int, nope: int, rope: int, v_dim: int, s
         (v, torch.einsum("lk,hkd->hld", c_kv.double(), W_UV.double()),
          torch.einsum("lk,hkd->hld", c_kv.double().abs(), W_UV.double().abs())),
     ):  # fmt: skip
-        # one rounding of the fp32 sum to bf16 (2^-8 relative) + fp32 summation error
-        bound = ref.abs() * 2.0**-8 + mag * 2.0**-20 + 1e-30
-        err = (got.double() - ref).abs()
-        assert bool((err <= bound).all()), f"max err {err.max():.3g}, L{L} H{H} r{r}"
+        check_bf16_gemm(got, ref, mag, f"L{L} H{H} r{r}")
 
 
 @pytest.mark.parametrize("L", [1, 7, 64, 65, 300])

@@ -16,6 +16,7 @@ import mla_backend as mb
 from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
 from mla_backend.testing.cases import make_case
+from mla_backend.testing.native_checks import check_bf16_gemm
 
 if not native.host_isas():
     pytest.skip("no native ISA level runs on this machine", allow_module_level=True)
@@ -38,10 +39,7 @@ def _check(isa: str, T: int, H: int, K: int, N: int, seed: int = 0, strided: boo
     assert y.shape == (T, H, N) and y.dtype == torch.bfloat16 and y.is_contiguous()
     ref = torch.einsum("thk,hkn->thn", x.double(), w.double())
     mag = torch.einsum("thk,hkn->thn", x.double().abs(), w.double().abs())
-    # one rounding of the fp32 sum to bf16 (2^-8 relative) + fp32 summation error
-    bound = ref.abs() * 2.0**-8 + mag * 2.0**-20 + 1e-30
-    err = (y.double() - ref).abs()
-    assert bool((err <= bound).all()), f"max err {err.max():.3g}, T{T} H{H} K{K} N{N}"
+    check_bf16_gemm(y, ref, mag, f"T{T} H{H} K{K} N{N}")
 
 
 def test_packed_layout_element_by_element(isa):

@@ -17,6 +17,7 @@ import mla_backend as mb
 from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
 from mla_backend.testing.cases import make_case
+from mla_backend.testing.native_checks import check_mha
 
 if not native.host_isas():
     pytest.skip("no native ISA level runs on this machine", allow_module_level=True)
@@ -36,24 +37,7 @@ def _check(isa, H, Lq, Lk, D, Dv, causal, seed=0, strided=True, s=1.0):
         k, v = _rand(H, Lk, D, g=g, s=s), _rand(H, Lk, Dv, g=g)
     scale = 1.0 / math.sqrt(D)
     o, lse = native.attention_with_lse(q, k, v, causal, scale, isa=isa)
-    assert o.shape == (H, Lq, Dv) and o.dtype == torch.bfloat16
-    assert lse.shape == (H, Lq) and lse.dtype == torch.float32
-    sc = torch.einsum("hid,hjd->hij", q.double(), k.double()) * scale
-    if causal:
-        sc = sc.masked_fill(~torch.ones(Lq, Lk, dtype=torch.bool).tril(), float("-inf"))
-    ref_lse = torch.logsumexp(sc, -1)
-    if Lk == 0:
-        assert torch.equal(o, torch.zeros_like(o)) and bool(torch.isneginf(lse).all())
-        return
-    p = torch.softmax(sc, -1)
-    ref = p @ v.double()
-    mag = p @ v.double().abs()
-    # probabilities rounded to bf16 before P·V and one rounding of the output: 2^-8 each
-    bound = mag * 2.0**-7 + 1e-6
-    err = (o.double() - ref).abs()
-    assert bool((err <= bound).all()), f"max err {err.max():.3g}"
-    lse_err = (lse.double() - ref_lse).abs().max().item()
-    assert lse_err <= 1e-5 * max(1.0, ref_lse.abs().max().item()), lse_err
+    check_mha(o, lse, q, k, v, causal, scale)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -1,6 +1,9 @@
 """Test and benchmark support, not used by the runtime path.
 
 - :mod:`.cases`: the shared test-case builder (random latents in shuffled pages, NaN elsewhere).
+- :mod:`.native_checks`: the native kernels' accuracy checks against the float64 oracle.
+- :mod:`.core_driver`, :mod:`.cross_tools`: the torch-free core driver's targets (x86 levels,
+  sanitizers, aarch64 under qemu-user), builds and case files; its aarch64 tools' installer.
 - :mod:`.oracle`: teacher-forced log-probs of a transformers model for many served requests.
 - :mod:`.reference`: the oracle, the paper's decompressed attention written plainly in fp32.
 - :mod:`.tiny_model`: generator of tiny DeepSeek-V2 checkpoints (config, safetensors, tokenizer).

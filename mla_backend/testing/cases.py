@@ -79,11 +79,13 @@ def make_case(
     seed: int = 0,
     phase: mb.Phase = mb.Phase.MIXED,
     spare_pages: int = 3,
+    impl: str | None = None,
 ) -> Case:
     """Random latents written through ``write_latent`` into shuffled physical pages (page 0
     is left unused, like vLLM's null block; unwritten rows hold NaN), padding slots (-1)
     mixed into the slot mapping. ``cache_dtype=torch.uint8`` makes an ``fp8_ds_mla`` cache
-    (unwritten bytes 0xFF: NaN values and NaN scales)."""
+    (unwritten bytes 0xFF: NaN values and NaN scales). ``impl``: the kernel implementation that
+    writes the cache (default: the device's; ``"torch"`` keeps native code out of the case)."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     r, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
@@ -121,6 +123,7 @@ def make_case(
             torch.cat([kp, torch.full((2, rope), 99.0).to(dtype)]),
             torch.cat([slots, pad]),
             kv_scale,
+            impl=impl,
         )
         if kv_scale is not None:  # the oracle sees what the cache holds
             stored = torch.cat([c, kp], -1).float() / kv_scale

@@ -48,6 +48,7 @@ import torch
 __all__ = [
     "HEAD_GEMM_COLS",
     "ISA_LEVELS",
+    "arch_levels",
     "available",
     "host_isas",
     "op_namespace",
@@ -57,7 +58,7 @@ __all__ = [
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
-_HEADERS = ("mla_cpu.h", "vec.h", "gemm_core.h")
+_HEADERS = ("mla_cpu.h", "vec.h", "gemm_core.h", "attention_core.h")
 _EXT_NAME = "mla_backend_native"
 ENV_ISA = "MLA_BACKEND_NATIVE_ISA"
 
@@ -106,6 +107,20 @@ def level_flags(isa: str) -> list[str]:
         flags += list(_LEVEL_SPEC[lvl][0])
         flags.append(f"-DMLA_HAS_{_MACRO[lvl]}")
     return flags
+
+
+# The levels each architecture's builds have, lowest first. Every level's flags come from
+# level_flags; the core test driver (tests/native_core/) is built for each of them (aarch64:
+# cross-compiled, run under qemu-user).
+_ARCH_LEVELS: dict[str, tuple[str, ...]] = {"x86_64": ISA_LEVELS, "aarch64": ("scalar",)}
+
+
+def arch_levels(arch: str) -> tuple[str, ...]:
+    """The ISA levels of architecture ``arch`` ('x86_64' or 'aarch64'), lowest first."""
+    if arch not in _ARCH_LEVELS:
+        known = tuple(_ARCH_LEVELS)
+        raise ValueError(f"architecture {arch!r} is not supported; use one of {known}")
+    return _ARCH_LEVELS[arch]
 
 
 @functools.cache

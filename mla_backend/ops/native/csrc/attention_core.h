@@ -10,7 +10,9 @@
 // e4m3 bytes with one per-tensor scale (kFp8), or fp8_ds_mla bytes (kDs: e4m3 c_kv tiles of 128,
 // float32 tile scales at ds_scale_off, k_pe in q's dtype at ds_rope_off); block table bt
 // [B, bt_s0] int32; cu [B + 1], kvl [B] int32; out [T, H, r] contiguous in q's dtype; lse [T, H]
-// float32. The caller has checked every index (pages < num_pages, kv_len <= pages x page_size).
+// float32. Every index is checked before anything is read (validate(): page ids < num_pages,
+// kv_len <= block-table width x page_size, cu_seqlens monotone ending at T, ...): a call with a
+// bad index is refused with a message naming the value and its allowed range.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +21,8 @@
 #include <cstdlib>
 #include <functional>
 #include <new>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -106,6 +110,70 @@ struct Item {
   int64_t part_off;  // first partial row of the request
   int64_t cost;
 };
+
+// ---- the call's indices, checked before anything is read -----------------------------------
+// Bounds: what P's arrays are checked against. T query tokens; the block table has bt_rows rows
+// of bt_width page ids (row stride P.bt_s0 >= bt_width); max_page_id >= 0 is the caller's
+// bound on every used page id (a plan's, page ids >= 0 checked there: O(1) here), -1 = unknown
+// (every used block-table entry is checked).
+struct Bounds {
+  int64_t T = 0, bt_rows = 0, bt_width = 0, max_page_id = -1;
+};
+
+namespace detail {
+inline std::string cat() { return {}; }
+template <typename A, typename... Rest>
+std::string cat(const A& a, const Rest&... rest) {
+  if constexpr (std::is_arithmetic_v<A>) return std::to_string(a) + cat(rest...);
+  else return std::string(a) + cat(rest...);
+}
+}  // namespace detail
+
+// "" when P's sizes and indices are consistent, else why not (the value and its allowed range).
+// Checks H, r >= 1, rope >= 0, page_size >= 1; the block table's shape; cu_seqlens_q [B + 1]
+// starting at 0, non-decreasing, ending at T; kv_lens[i] >= the request's new tokens; for a
+// request with new tokens kv_lens[i] <= bt_width x page_size and its used page ids in
+// [0, num_pages) (or max_page_id < num_pages).
+inline std::string validate(const Params& P, const Bounds& b) {
+  using detail::cat;
+  if (P.H < 1) return cat("num heads H=", P.H, " must be >= 1");
+  if (P.r < 1) return cat("kv_lora_rank r=", P.r, " must be >= 1");
+  if (P.rope < 0) return cat("rope dim ", P.rope, " must be >= 0");
+  if (P.page_size < 1) return cat("page_size ", P.page_size, " must be >= 1");
+  if (P.B < 0 || b.T < 0 || P.num_pages < 0)
+    return cat("B = ", P.B, ", T = ", b.T, ", num_pages = ", P.num_pages, " must be >= 0");
+  if (b.bt_rows < P.B) return cat("block_table has ", b.bt_rows, " rows for ", P.B, " requests");
+  if (b.bt_width < 0 || P.bt_s0 < b.bt_width)
+    return cat("block_table row stride ", P.bt_s0, " is smaller than its width ", b.bt_width);
+  const int32_t* cu = P.cu;
+  if (P.B > 0 && cu[0] != 0) return cat("cu_seqlens_q[0] = ", cu[0], " must be 0");
+  for (int64_t i = 0; i < P.B; ++i) {
+    const int64_t n = static_cast<int64_t>(cu[i + 1]) - cu[i], L = P.kvl[i];
+    if (n < 0)
+      return cat("cu_seqlens_q must be non-decreasing: request ", i, " has ", n, " new tokens");
+    if (L < n)
+      return cat("kv_lens[", i, "] = ", L, " is smaller than its ", n,
+                 " new tokens (kv_len counts prefix + new)");
+    if (n == 0) continue;  // nothing of it is read
+    if (L > b.bt_width * P.page_size)
+      return cat("kv_lens[", i, "] = ", L, " needs more than the ", b.bt_width, " pages x ",
+                 P.page_size, " tokens of its block_table row");
+    if (b.max_page_id >= 0) continue;  // the caller's bound, checked once below
+    for (int64_t p = 0; p < ceil_div(L, P.page_size); ++p) {
+      const int64_t page = P.bt[i * P.bt_s0 + p];
+      if (page < 0 || page >= P.num_pages)
+        return cat("block_table[", i, ", ", p, "] = ", page, " is not a page of the cache (0 .. ",
+                   P.num_pages - 1, ")");
+    }
+  }
+  if (b.max_page_id >= P.num_pages)
+    return cat("block_table holds page id ", b.max_page_id, " (max_page_id) but the cache has ",
+               P.num_pages, " pages (0 .. ", P.num_pages - 1, ")");
+  const int64_t last = P.B > 0 ? cu[P.B] : 0;
+  if (last != b.T)
+    return cat("cu_seqlens_q[-1] = ", last, " must equal the number of query tokens T = ", b.T);
+  return {};
+}
 
 // Byte offset of kv position `pos` of request `i` in the cache.
 inline int64_t row_offset(const Params& P, int64_t i, int64_t pos) {
@@ -800,11 +868,14 @@ struct DsLayout {
 };
 
 // ---- the whole call ------------------------------------------------------------------------
-// Plans the work items of P's batch (request, block of <= kMaxRows query rows, kv split),
-// runs them over par and merges the splits. P.out [T, H, r] (q's dtype) and P.lse [T, H] are
-// written; P.part_o / P.part_lse are set here (a thread-local buffer).
-inline void absorbed_attention(Params P, DType qdt, int mode, int64_t num_kv_splits,
-                               const Parallel& par) {
+// Checks P against b (validate: a refusal returns its message, nothing read or written), then
+// plans the work items of P's batch (request, block of <= kMaxRows query rows, kv split), runs
+// them over par and merges the splits. P.out [T, H, r] (q's dtype) and P.lse [T, H] are
+// written; P.part_o / P.part_lse are set here (a thread-local buffer). Returns "" on success.
+inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int mode,
+                                      int64_t num_kv_splits, const Parallel& par) {
+  if (std::string err = validate(P, b); !err.empty()) return err;
+  if (b.T == 0) return {};
   const int64_t B = P.B, r = P.r;
   const bool ds = mode == kDs, fp8 = mode == kFp8;
   // ---- work items ----
@@ -888,6 +959,7 @@ inline void absorbed_attention(Params P, DType qdt, int mode, int64_t num_kv_spl
     else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items, par);
     merge_splits<QT>(P, split_reqs, par);
   }
+  return {};
 }
 
 // n floats -> n values of dtype dt (bf16 / fp16 round to nearest even, as torch's .to()).
@@ -931,6 +1003,62 @@ void write_ds_row(uint8_t* dst, const float* x, const float* kp, int64_t r, int6
   }
   std::memset(dst + r, 0, L.scale_off - r);
   if (rope) store_as(reinterpret_cast<char*>(dst + L.rope_off), kp, rope, rope_dt);
+}
+
+// ---- cache-row writer ------------------------------------------------------------------------
+// Row slot of the cache (page slot / page_size, row slot % page_size) = [c_kv[t] ; k_pe[t]] for
+// t < T with slots[t] >= 0 (negative slots are padding: skipped). c_kv [T, r], k_pe [T, rope]
+// float32 contiguous (the values to store, already widened); the cache: num_pages x page_size
+// rows (byte strides c_s0, c_s1) in cache_dt (kPlain), e4m3 of value / kv_scale clamped to
+// +-448 (kFp8), or fp8_ds_mla rows with k_pe in rope_dt (kDs, DsLayout(r, rope, size of rope_dt)).
+struct WriteParams {
+  char* cache;
+  int64_t c_s0, c_s1, page_size, num_pages;
+  int mode;
+  DType cache_dt, rope_dt;
+  int64_t r, rope, T;
+  const float* c_kv;
+  const float* k_pe;
+  const int64_t* slots;
+  float kv_scale = 1.0f;
+};
+
+// "" when every slot is padding (< 0) or a row of the cache, else the first bad one.
+inline std::string validate_slots(const int64_t* slots, int64_t T, int64_t num_slots) {
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= num_slots)
+      return detail::cat("slot_mapping[", t, "] = ", slots[t], " is outside the cache (", num_slots,
+                         " slots)");
+  return {};
+}
+
+// Writes the rows (see WriteParams) after validate_slots; returns its refusal or "".
+inline std::string write_latent(const WriteParams& W, const Parallel& par) {
+  if (W.page_size < 1) return detail::cat("page_size ", W.page_size, " must be >= 1");
+  const std::string err = validate_slots(W.slots, W.T, W.num_pages * W.page_size);
+  if (!err.empty()) return err;
+  const int64_t D = W.r + W.rope;
+  const DsLayout dsl(W.r, W.rope, W.rope_dt == DType::kF32 ? 4 : 2);
+  par.for_range(W.T, 64, [&](int64_t t_begin, int64_t t_end) {
+    std::vector<float> row(D);
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t slot = W.slots[t];
+      if (slot < 0) continue;
+      char* dst = W.cache + (slot / W.page_size) * W.c_s0 + (slot % W.page_size) * W.c_s1;
+      const float* c = W.c_kv + t * W.r;
+      const float* kp = W.k_pe + t * W.rope;
+      if (W.mode == kDs) {
+        write_ds_row(reinterpret_cast<uint8_t*>(dst), c, kp, W.r, W.rope, dsl, W.rope_dt);
+        continue;
+      }
+      std::memcpy(row.data(), c, W.r * sizeof(float));
+      if (W.rope) std::memcpy(row.data() + W.r, kp, W.rope * sizeof(float));
+      if (W.mode == kFp8)
+        store_e4m3_row(reinterpret_cast<uint8_t*>(dst), row.data(), D, W.kv_scale);
+      else store_as(dst, row.data(), D, W.cache_dt);
+    }
+  });
+  return {};
 }
 
 }  // namespace core

@@ -14,9 +14,11 @@
 // operand of gemm_core.h's engine in blocks of 32 rows, each block converted once per work item
 // and used for all of the item's token panels. fp32 sums at every ISA level (AMX tiles where
 // the CPU has them), one rounding to bf16. Work items: (k or v, head, 1024 tokens).
+#ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#endif
 
 #include <vector>
 
@@ -88,6 +90,7 @@ void copy_k_pe(const DecompressArgs& a, int64_t l0, int64_t l1) {
       std::memcpy(a.k + (l * a.H + h) * dk + a.nope, a.k_pe + l * a.sp, a.rope * sizeof(uint16_t));
 }
 
+#ifndef MLA_CORE_ONLY
 // ---- torch layer ------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> decompress(const at::Tensor& c_kv, const at::Tensor& k_pe,
                                               const at::Tensor& W_UK, const at::Tensor& W_UV) {
@@ -126,9 +129,11 @@ std::tuple<at::Tensor, at::Tensor> decompress(const at::Tensor& c_kv, const at::
   return {k, v};
 }
 
+#endif  // MLA_CORE_ONLY
 }  // namespace
 }  // namespace mla_native
 
+#ifndef MLA_CORE_ONLY
 TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def("native_decompress(Tensor c_kv, Tensor k_pe, Tensor W_UK, Tensor W_UV) -> (Tensor, Tensor)");
 }
@@ -136,3 +141,4 @@ TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
 TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_decompress", &mla_native::decompress);
 }
+#endif  // MLA_CORE_ONLY

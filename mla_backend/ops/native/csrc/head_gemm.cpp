@@ -13,9 +13,11 @@
 // of 32 (fp32 sums at every ISA level; AMX tiles for >= 8 rows where the CPU has them); one
 // rounding to bf16 at the end (nearest even). Work items (head, column block) go to
 // at::parallel_for.
+#ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#endif
 
 #include <vector>
 
@@ -58,6 +60,7 @@ void head_gemm_items(const uint16_t* x, int64_t sx0, int64_t sx1, int64_t T, int
   }
 }
 
+#ifndef MLA_CORE_ONLY
 // ---- torch layer ------------------------------------------------------------------------
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* mbits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -105,9 +108,11 @@ at::Tensor head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   return y;
 }
 
+#endif  // MLA_CORE_ONLY
 }  // namespace
 }  // namespace mla_native
 
+#ifndef MLA_CORE_ONLY
 TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def("native_pack_heads(Tensor w) -> Tensor");
   m.def("native_head_gemm(Tensor x, Tensor packed, int n) -> Tensor");
@@ -117,3 +122,4 @@ TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_pack_heads", &mla_native::pack_heads);
   m.impl("native_head_gemm", &mla_native::head_gemm);
 }
+#endif  // MLA_CORE_ONLY

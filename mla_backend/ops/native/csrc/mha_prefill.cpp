@@ -14,9 +14,11 @@
 // causal limit: scores in fp32 (the engine: widened fp32 FMA, vdpbf16ps or AMX tiles by ISA
 // level), online softmax in fp32, P·V into an fp32 accumulator of 32 x Dv' (probabilities
 // rounded to bf16 on the bf16 levels, fp32 on the others), one division and rounding at the end.
+#ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#endif
 
 #include <vector>
 
@@ -148,6 +150,7 @@ void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk,
   }
 }
 
+#ifndef MLA_CORE_ONLY
 // ---- torch layer ------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, bool causal,
@@ -183,9 +186,11 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const
   return {o, lse};
 }
 
+#endif  // MLA_CORE_ONLY
 }  // namespace
 }  // namespace mla_native
 
+#ifndef MLA_CORE_ONLY
 TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def(
       "native_attention_with_lse(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> "
@@ -195,3 +200,4 @@ TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
 TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_attention_with_lse", &mla_native::attention_with_lse);
 }
+#endif  // MLA_CORE_ONLY

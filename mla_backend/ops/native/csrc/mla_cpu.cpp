@@ -90,8 +90,6 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   const int64_t rope = q_pe_in.size(2);
   TORCH_CHECK(q_pe_in.size(0) == T && q_pe_in.size(1) == H, "q_pe shape ", q_pe_in.sizes(),
               " does not match q_lat shape ", q_lat_in.sizes());
-  TORCH_CHECK(r >= 1, "kv_lora_rank r=", r, " must be >= 1");
-  TORCH_CHECK(H >= 1, "num heads H=", H, " must be >= 1");
   const int64_t D = r + rope;
   const DsLayout dsl(r, rope, q_lat_in.element_size());
   if (ds) {
@@ -105,7 +103,6 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous, got strides ",
               kv_cache.strides());
   const int64_t page_size = kv_cache.size(1), num_pages = kv_cache.size(0);
-  TORCH_CHECK(page_size >= 1, "page_size ", page_size, " must be >= 1");
   TORCH_CHECK(softmax_scale > 0.0 && std::isfinite(softmax_scale), "softmax_scale ", softmax_scale,
               " must be a finite positive number");
   TORCH_CHECK(num_kv_splits >= 0, "num_kv_splits=", num_kv_splits, " must be >= 0 (0 = automatic)");
@@ -130,35 +127,6 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   TORCH_CHECK(kvl.dim() == 1, "kv_lens must be [B], got shape ", kvl.sizes());
   TORCH_CHECK(cu.dim() == 1 && cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1,
               "], got shape ", cu.sizes());
-  TORCH_CHECK(bt.size(0) >= B, "block_table has ", bt.size(0), " rows for ", B, " requests");
-  const int32_t* cup = cu.data_ptr<int32_t>();
-  const int32_t* klp = kvl.data_ptr<int32_t>();
-  const int32_t* btp = bt.data_ptr<int32_t>();
-  const int64_t max_pages = bt.size(1);
-  TORCH_CHECK(B == 0 || cup[0] == 0, "cu_seqlens_q[0] = ", B ? cup[0] : 0, " must be 0");
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t n = cup[i + 1] - cup[i], L = klp[i];
-    TORCH_CHECK(n >= 0, "cu_seqlens_q must be non-decreasing: request ", i, " has ", n,
-                " new tokens");
-    TORCH_CHECK(L >= n, "kv_lens[", i, "] = ", L, " is smaller than its ", n,
-                " new tokens (kv_len counts prefix + new)");
-    if (n == 0) continue;  // nothing of it is read
-    TORCH_CHECK(L <= max_pages * page_size, "kv_lens[", i, "] = ", L, " needs more than the ",
-                max_pages, " pages x ", page_size, " tokens of its block_table row");
-    if (max_page_id >= 0) continue;  // the plan's bound, checked once below
-    for (int64_t p = 0; p < ceil_div(L, page_size); ++p) {
-      int64_t page = btp[i * bt.stride(0) + p];
-      TORCH_CHECK(page >= 0 && page < num_pages, "block_table[", i, ", ", p, "] = ", page,
-                  " is not a page of the cache (0 .. ", num_pages - 1, ")");
-    }
-  }
-  // O(1) with the plan's max_page_id (the largest page id any request uses, page ids >= 0
-  // checked by the plan); -1 = unknown: every used block_table entry was checked above.
-  TORCH_CHECK(max_page_id < num_pages, "block_table holds page id ", max_page_id,
-              " (max_page_id) but the cache has ", num_pages, " pages (0 .. ", num_pages - 1, ")");
-  TORCH_CHECK(B == 0 ? T == 0 : cup[B] == T, "cu_seqlens_q[-1] = ", B ? cup[B] : 0,
-              " must equal the number of query tokens T = ", T);
-
   float kvs = 1.0f;
   if (kv_scale.has_value() && kv_scale->defined()) {
     TORCH_CHECK(kv_scale->numel() == 1, "kv_scale must be a 0-d (one element) tensor, got shape ",
@@ -169,7 +137,6 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
 
   at::Tensor out = at::empty({T, H, r}, q_lat.options());
   at::Tensor lse = at::empty({T, H}, q_lat.options().dtype(at::kFloat));
-  if (T == 0) return {out, lse};
 
   Params P;
   P.H = H;
@@ -179,10 +146,10 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   P.B = B;
   P.page_size = page_size;
   P.num_pages = num_pages;
-  P.bt = btp;
+  P.bt = bt.data_ptr<int32_t>();
   P.bt_s0 = bt.stride(0);
-  P.cu = cup;
-  P.kvl = klp;
+  P.cu = cu.data_ptr<int32_t>();
+  P.kvl = kvl.data_ptr<int32_t>();
   const int64_t qes = q_lat.element_size();
   P.qlat = static_cast<const char*>(q_lat.data_ptr());
   P.ql_s0 = q_lat.stride(0) * qes;
@@ -203,8 +170,11 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   P.out = static_cast<char*>(out.data_ptr());
   P.lse = lse.data_ptr<float>();
 
-  core::absorbed_attention(P, dtype_of(qdt), ds ? kDs : (fp8 ? kFp8 : kPlain), num_kv_splits,
-                          torch_parallel());
+  const Bounds bounds{T, bt.size(0), bt.size(1), max_page_id};
+  const std::string err = core::absorbed_attention(P, bounds, dtype_of(qdt),
+                                                   ds ? kDs : (fp8 ? kFp8 : kPlain), num_kv_splits,
+                                                   torch_parallel());
+  TORCH_CHECK(err.empty(), err);  // a refused index: nothing was read
   return {out, lse};
 }
 
@@ -249,41 +219,30 @@ void write_latent(const at::Tensor& kv_cache, const at::Tensor& c_kv_in, const a
   at::Tensor c_kv = c_kv_in.to(at::kFloat).contiguous();
   at::Tensor k_pe = k_pe_in.to(at::kFloat).contiguous();
   at::Tensor slots = slot_mapping_in.slice(0, 0, T).to(at::kLong).contiguous();
-  const int64_t ps = kv_cache.size(1), np = kv_cache.size(0), D = r + rope;
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] < np * ps, "slot_mapping[", t, "] = ", sp[t], " is outside the cache (",
-                np * ps, " slots)");
   float kvs = 1.0f;
   if (fp8 && kv_scale.has_value() && kv_scale->defined()) {
     TORCH_CHECK(kv_scale->numel() == 1, "kv_scale must be a 0-d tensor, got shape ", kv_scale->sizes());
     kvs = kv_scale->to(at::kCPU).to(at::kFloat).item<float>();
   }
-  const float* cp = c_kv.data_ptr<float>();
-  const float* kp = k_pe.data_ptr<float>();
-  char* base = static_cast<char*>(kv_cache.data_ptr());
   const int64_t es = kv_cache.element_size();
-  const int64_t s0 = kv_cache.stride(0) * es, s1 = kv_cache.stride(1) * es;
-  at::parallel_for(0, T, 64, [&](int64_t t_begin, int64_t t_end) {
-    std::vector<float> row(D);
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t slot = sp[t];
-      if (slot < 0) continue;
-      char* dst = base + (slot / ps) * s0 + (slot % ps) * s1;
-      if (ds) {
-        write_ds_row(reinterpret_cast<uint8_t*>(dst), cp + t * r, kp + t * rope, r, rope, dsl,
-                     dtype_of(c_kv_in.scalar_type()));
-        continue;
-      }
-      std::memcpy(row.data(), cp + t * r, r * sizeof(float));
-      if (rope) std::memcpy(row.data() + r, kp + t * rope, rope * sizeof(float));
-      if (fp8) {
-        store_e4m3_row(reinterpret_cast<uint8_t*>(dst), row.data(), D, kvs);
-      } else {
-        store_as(dst, row.data(), D, dtype_of(cdt));
-      }
-    }
-  });
+  WriteParams W;
+  W.cache = static_cast<char*>(kv_cache.data_ptr());
+  W.c_s0 = kv_cache.stride(0) * es;
+  W.c_s1 = kv_cache.stride(1) * es;
+  W.page_size = kv_cache.size(1);
+  W.num_pages = kv_cache.size(0);
+  W.mode = ds ? kDs : (fp8 ? kFp8 : kPlain);
+  W.cache_dt = dtype_of(cdt);
+  W.rope_dt = dtype_of(c_kv_in.scalar_type());
+  W.r = r;
+  W.rope = rope;
+  W.T = T;
+  W.c_kv = c_kv.data_ptr<float>();
+  W.k_pe = k_pe.data_ptr<float>();
+  W.slots = slots.data_ptr<int64_t>();
+  W.kv_scale = kvs;
+  const std::string err = core::write_latent(W, torch_parallel());
+  TORCH_CHECK(err.empty(), err);  // a refused slot: nothing was written
 }
 
 // The kernels' e4m3 decode, exposed for its exactness test: uint8 [N] -> float32 [N] through

@@ -1,0 +1,661 @@
+"""The native kernels' torch-free cores through one driver (``tests/native_core/driver.cpp``,
+:mod:`mla_backend.testing.core_driver`), on every target: each x86-64 ISA level this CPU runs,
+natively and built with ``-fsanitize=address,undefined -fno-sanitize-recover=all`` (zero
+reports), and each aarch64 level cross-compiled and run under ``qemu-aarch64 -cpu max`` (SVE
+levels at vector lengths 128, 256 and 512 bits, checked from inside the process).
+
+One grid of cases, written once, checked against the fp64 oracle with the tolerances of the
+torch-level native tests (:mod:`mla_backend.testing.native_checks`): absorbed attention
+(decode / extend / mixed ragged batches, empty requests, odd dims, 1..128 heads, pages of
+1 / 16 / 64 rows shuffled with NaN in never-written rows and garbage past each request's pages,
+strided q, kv splits, 2 threads, every cache layout: bf16 / fp16 / fp32 / per-tensor fp8 /
+fp8_ds_mla, out and LSE), the cache-row writers (bit for bit against the torch writer), the
+head GEMMs over packed weights, the decompression and the MHA (float64). Out-of-range page ids,
+lengths, cu_seqlens and slots must be refused with a message naming the value and its range
+(under the sanitizers: without being read). Emulated targets run a smaller slice of the grid.
+
+Run by ``python3 -m nox -s cores`` (which installs the cross tools where it can); a target is
+skipped only when its tools are missing, naming them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import platform
+import random
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import mla_backend as mb
+from mla_backend.cache_layout import CacheLayout
+from mla_backend.ops.native import build, host_isas
+from mla_backend.testing import core_driver as cd
+from mla_backend.testing.cases import make_case
+from mla_backend.testing.native_checks import check_absorbed, check_bf16_gemm, check_mha
+
+FP8, DS = torch.float8_e4m3fn, torch.uint8
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+DTYPES = [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, FP8),
+    (torch.float32, FP8),
+    (torch.bfloat16, DS),
+    (torch.float16, DS),
+    (torch.float32, DS),
+]
+SHAPES = [(16, 4), (40, 6), (32, 0), (200, 32), (33, 0), (512, 64)]
+MIXED = ([0, 5, 37, 0, 64, 3], [1, 1, 4, 9, 1, 0])  # extends, decodes, an empty request
+TIMEOUT = {"native": 300, "emulated": 600}  # seconds per driver run (all cases)
+
+
+@dataclass
+class Spec:
+    """One case: its fields and the check of its outputs."""
+
+    name: str
+    fields: dict[str, cd.Field]
+    check: Callable[[dict[str, bytes]], None]
+
+
+def _refused(*parts: str) -> Callable[[dict[str, bytes]], None]:
+    def check(out: dict[str, bytes]) -> None:
+        assert "error" in out, "not refused"
+        msg = out["error"].decode()
+        for p in parts:
+            assert p in msg, f"refusal {msg!r} lacks {p!r}"
+        assert set(out) == {"error"}, "a refused call wrote outputs"
+
+    return check
+
+
+# ---- absorbed attention -----------------------------------------------------------------------
+def _attention(
+    name: str,
+    H: int,
+    r: int,
+    rope: int,
+    prefix: list[int],
+    new: list[int],
+    page: int,
+    qdt: torch.dtype,
+    cdt: torch.dtype,
+    *,
+    seed: int = 0,
+    splits: int = 0,
+    threads: int = 1,
+    garbage: bool = False,
+    strided: bool = False,
+    max_page_id: bool = False,
+    mutate: Callable[[dict[str, cd.Field]], None] | None = None,
+    refusal: tuple[str, ...] = (),
+) -> Spec:
+    case = make_case(
+        mb.MLADims(H, r, 8, rope, 8),
+        prefix,
+        new,
+        page,
+        dtype=qdt,
+        cache_dtype=cdt,
+        seed=seed,
+        impl="torch",
+    )
+    g = torch.Generator().manual_seed(seed + 1000)
+    T, D = sum(new), r + rope
+    pad_h, pad_d = (2, 5) if strided else (0, 0)
+    q = torch.randn(T, H + pad_h, D + pad_d, generator=g).to(qdt)
+    q_lat, q_pe = q[:, :H, :r], q[:, :H, r:D]
+    bt = case.batch.block_table.to(torch.int32).clone()
+    used = [-(-(p + n) // page) for p, n in zip(prefix, new)]
+    if garbage:  # entries past a request's pages may hold anything
+        for i, u in enumerate(used):
+            bt[i, u:] = 10**6 + i
+    scale = 1.0 / math.sqrt(D)
+    kvs = float(case.kv_scale) if case.kv_scale is not None else 1.0
+    mode = 2 if cdt == DS else (1 if cdt == FP8 else 0)
+    top = max(int(bt[i, :u].max()) for i, u in enumerate(used) if u > 0)
+    fields: dict[str, cd.Field] = dict(
+        op="attention",
+        qdt=DT_CODE[qdt],
+        mode=mode,
+        H=H,
+        r=r,
+        rope=rope,
+        B=len(prefix),
+        T=T,
+        page_size=page,
+        num_pages=case.kv_cache.shape[0],
+        bt_rows=bt.shape[0],
+        bt_width=bt.shape[1],
+        q_s0=q.stride(0),
+        q_s1=q.stride(1),
+        q=q,
+        cache=case.kv_cache,
+        bt=bt,
+        cu=torch.tensor(case.batch.cu_new, dtype=torch.int32),
+        kvl=torch.tensor(case.batch.kv_lens, dtype=torch.int32),
+        scale=scale,
+        kv_scale=kvs,
+        splits=splits,
+        max_page_id=top if max_page_id else -1,
+        threads=threads,
+    )
+    if mutate is not None:
+        mutate(fields)
+        return Spec(name, fields, _refused(*refusal))
+
+    memo: dict[str, object] = {}  # the references, computed once for all targets
+
+    def check(out: dict[str, bytes]) -> None:
+        assert "error" not in out, out.get("error", b"").decode()
+        o = cd.tensor(out["out"], qdt, (T, H, r))
+        lse = cd.tensor(out["lse"], torch.float32, (T, H))
+        check_absorbed(case, q_lat, q_pe, scale, o, lse, qdt, memo)
+
+    return Spec(name, fields, check)
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _attention_specs() -> list[Spec]:
+    mk = _attention
+    specs = []
+    # every layout x odd dims (partial fp8_ds_mla tiles, odd r, no rope), a mixed ragged batch
+    for (r, rope), (qdt, cdt) in itertools.product(SHAPES, DTYPES):
+        name = f"att-mixed-r{r}-rope{rope}-{_dt(qdt)}-{_dt(cdt)}"
+        specs.append(mk(name, 16, r, rope, *MIXED, 16, qdt, cdt, seed=r + rope))
+    # heads x pages
+    four = [(BF16, BF16), (F32, F32), (BF16, DS), (F32, FP8)]
+    for H, page, (qdt, cdt) in itertools.product((1, 3, 9, 16, 63, 128), (1, 16, 64), four):
+        name = f"att-heads{H}-page{page}-{_dt(qdt)}-{_dt(cdt)}"
+        prefix, new = [3, 70, 0, 130], [1, 2, 5, 1]
+        specs.append(mk(name, H, 40, 8, prefix, new, page, qdt, cdt, seed=H * 7 + page))
+    # kv splits, 2 threads, garbage past each request's pages, strided q
+    for splits, (qdt, cdt) in itertools.product((0, 1, 3, 7, 100), four[:3] + [(F16, DS)]):
+        name = f"att-splits{splits}-{_dt(qdt)}-{_dt(cdt)}"
+        prefix, new = [700, 0, 300, 1000], [1, 20, 6, 3]
+        specs.append(mk(name, 9, 64, 16, prefix, new, 16, qdt, cdt, seed=splits, splits=splits,
+                        garbage=True, strided=True, threads=1 + splits % 2))  # fmt: skip
+    # decode-only under the plan's max_page_id bound; extend-only
+    for qdt, cdt in DTYPES:
+        name = f"att-decode-maxpage-{_dt(qdt)}-{_dt(cdt)}"
+        specs.append(mk(name, 16, 96, 32, [1, 63, 64, 200], [1, 1, 1, 1], 64, qdt, cdt, seed=5,
+                        max_page_id=True, threads=2))  # fmt: skip
+        name = f"att-extend-{_dt(qdt)}-{_dt(cdt)}"
+        specs.append(mk(name, 4, 48, 16, [0, 17, 64], [33, 15, 70], 16, qdt, cdt, seed=6))
+    # a seeded random sample of the rest (as test_native's hypothesis test draws them)
+    rng = random.Random(19)
+    for k in range(40):
+        H, r = rng.randint(1, 20), rng.choice([1, 7, 64, 80, 96, 127, 128, 129, 257])
+        rope, page = rng.choice([0, 2, 6, 16, 34]), rng.choice([1, 2, 3, 16, 64])
+        reqs = [(rng.randint(0, 150), rng.randint(0, 6)) for _ in range(rng.randint(1, 4))]
+        prefix = [max(p, 1 - n) for p, n in reqs]  # (make_case needs a token per request)
+        new = [n for _, n in reqs]
+        new[0] = new[0] or 1
+        qdt, cdt = rng.choice(DTYPES)
+        specs.append(mk(f"att-random{k}", H, r, rope, prefix, new, page, qdt, cdt, seed=k,
+                        splits=rng.choice([0, 1, 2, 5]), garbage=k % 2 == 0,
+                        strided=k % 3 == 0))  # fmt: skip
+    return specs + _refusal_specs()
+
+
+def _refusal_specs() -> list[Spec]:
+    """Out-of-range indices: refused with the value and its allowed range, nothing read."""
+    base = ([5, 40, 0], [1, 3, 2], 16)  # pages used: 1, 3, 1 of a 4-wide block table
+
+    def bt_entry(i: int, p: int, value: int) -> Callable[[dict[str, cd.Field]], None]:
+        def f(fl: dict[str, cd.Field]) -> None:
+            bt = fl["bt"].clone()  # type: ignore[union-attr]
+            bt[i, p] = value if value >= -1 else int(fl["num_pages"])  # type: ignore[call-overload]
+            fl["bt"] = bt
+
+        return f
+
+    def tensor_entry(key: str, i: int, value: int) -> Callable[[dict[str, cd.Field]], None]:
+        def f(fl: dict[str, cd.Field]) -> None:
+            t = fl[key].clone()  # type: ignore[union-attr]
+            t[i] = value
+            fl[key] = t
+
+        return f
+
+    def scalar(key: str, value: int) -> Callable[[dict[str, cd.Field]], None]:
+        def f(fl: dict[str, cd.Field]) -> None:
+            fl[key] = value if value >= 0 else int(fl["num_pages"])  # type: ignore[call-overload]
+
+        return f
+
+    cases = [
+        (
+            "page-id-num-pages",
+            bt_entry(1, 2, -2),
+            ("block_table[1, 2] = ", "is not a page of the cache (0 .. "),
+        ),
+        ("page-id-negative", bt_entry(0, 0, -1), ("block_table[0, 0] = -1 is not a page",)),
+        ("page-id-huge", bt_entry(2, 0, 2**31 - 1), ("block_table[2, 0] = 2147483647",)),
+        (
+            "kv-len-past-table",
+            tensor_entry("kvl", 1, 4 * 16 + 1),
+            ("kv_lens[1] = 65 needs more than the 4 pages x 16",),
+        ),
+        (
+            "kv-len-below-new",
+            tensor_entry("kvl", 2, 1),
+            ("kv_lens[2] = 1 is smaller than its 2 new tokens",),
+        ),
+        (
+            "cu-decreasing",
+            tensor_entry("cu", 1, 5),
+            ("cu_seqlens_q must be non-decreasing: request 1 has -1",),
+        ),
+        ("cu-start", tensor_entry("cu", 0, 1), ("cu_seqlens_q[0] = 1 must be 0",)),
+        (
+            "cu-end",
+            scalar("T", 5),
+            ("cu_seqlens_q[-1] = 6 must equal the number of query tokens T = 5",),
+        ),
+        ("bt-rows", scalar("bt_rows", 2), ("block_table has 2 rows for 3 requests",)),
+        ("max-page-id", scalar("max_page_id", -1), ("(max_page_id) but the cache has",)),
+        ("page-size-zero", scalar("page_size", 0), ("page_size 0 must be >= 1",)),
+    ]
+    specs = []
+    for name, mutate, parts in cases:
+        for qdt, cdt in [(torch.bfloat16, torch.bfloat16), (torch.float32, DS)]:
+            specs.append(
+                _attention(
+                    f"refuse-{name}-{_dt(cdt)}",
+                    4,
+                    32,
+                    8,
+                    *base,
+                    qdt,
+                    cdt,
+                    seed=1,
+                    mutate=mutate,
+                    refusal=parts,
+                )
+            )
+    return specs
+
+
+# ---- cache-row writers ------------------------------------------------------------------------
+def _write(
+    name: str,
+    cdt: torch.dtype,
+    src: torch.dtype,
+    r: int,
+    rope: int,
+    *,
+    seed: int = 0,
+    bad_slot: bool = False,
+) -> Spec:
+    g = torch.Generator().manual_seed(seed)
+    T, ps, pages = 50, 16, 8
+    c = torch.randn(T, r, generator=g) * torch.logspace(-6, 6, T)[:, None]
+    c[0, : min(8, r)] = torch.tensor([1e6, -1e6, 1e-6, -1e-6, 0.0, -0.0, 8.96, 3.3e-4])[: min(8, r)]
+    c[1] = 0.0
+    c[2, r // 2] = float("nan") if cdt == DS else 1.0
+    c, k = c.to(src), (torch.randn(T, rope, generator=g) * 10).to(src)
+    slots = torch.randperm(pages * ps, generator=g)[:T]
+    slots[::7] = -1
+    if bad_slot:
+        slots[3] = pages * ps
+    scale = torch.tensor(0.02) if cdt == FP8 else None
+    if cdt == DS:
+        lay = CacheLayout.ds_mla(r, rope, src)
+        cache = torch.randint(0, 256, (pages, ps, lay.width), generator=g, dtype=torch.uint8)
+        mode, cache_dt = 2, 0
+    else:
+        cache = torch.full((pages, ps, r + rope), 1.0).to(cdt)
+        mode, cache_dt = (1, 0) if cdt == FP8 else (0, DT_CODE[cdt])
+    fields: dict[str, cd.Field] = dict(
+        op="write",
+        mode=mode,
+        cache_dt=cache_dt,
+        rope_dt=DT_CODE[src],
+        r=r,
+        rope=rope,
+        T=T,
+        page_size=ps,
+        num_pages=pages,
+        cache=cache,
+        c_kv=c.float(),
+        k_pe=k.float(),
+        slots=slots,
+        kv_scale=float(scale) if scale is not None else 1.0,
+        threads=2 if seed % 2 else 1,
+    )
+    if bad_slot:
+        return Spec(
+            name,
+            fields,
+            _refused(f"slot_mapping[3] = {pages * ps} is outside the cache ({pages * ps} slots)"),
+        )
+    keep = slots >= 0
+    expect = cache.clone()
+    flat = expect.view(-1, expect.shape[-1])
+    if cdt == DS:
+        flat[slots[keep]] = lay.pack(c, k)[keep]
+    elif cdt == FP8:
+        flat[slots[keep]] = (torch.cat([c, k], -1).float() / scale).clamp(-448, 448).to(FP8)[keep]
+    else:
+        flat[slots[keep]] = torch.cat([c, k], -1).to(cdt)[keep]
+
+    # e4m3 bytes [.., :fp8_cols) of a row: NaN's sign is the CPU's default NaN's (x86 sets it,
+    # aarch64 does not: inf / inf there is +NaN), so 0x7f and 0xff are the same value
+    fp8_cols = r if cdt == DS else (r + rope if cdt == FP8 else 0)
+
+    def check(out: dict[str, bytes]) -> None:
+        assert "error" not in out, out.get("error", b"").decode()
+        got = cd.tensor(out["cache"], torch.uint8, (pages * ps, -1))
+        want = cd.tensor(cd.encode(expect), torch.uint8, (pages * ps, -1))
+        nan = (got[:, :fp8_cols] & 0x7F == 0x7F) & (want[:, :fp8_cols] & 0x7F == 0x7F)
+        got[:, :fp8_cols][nan] = want[:, :fp8_cols][nan]
+        bad = int((got != want).sum())
+        assert bad == 0, f"{bad} cache bytes differ from the torch writer's"
+
+    return Spec(name, fields, check)
+
+
+def _write_specs() -> list[Spec]:
+    specs = []
+    for cdt in (FP8, torch.bfloat16, torch.float16, torch.float32):
+        for src in (torch.float32, torch.bfloat16):
+            specs.append(
+                _write(
+                    f"write-{_dt(cdt)}-from-{_dt(src)}",
+                    cdt,
+                    src,
+                    40,
+                    6,
+                    seed=1,
+                )
+            )
+    for r, rope in ((512, 64), (200, 32), (96, 0), (33, 6), (1, 2)):
+        for src in (torch.bfloat16, torch.float16, torch.float32):
+            specs.append(
+                _write(
+                    f"write-ds-r{r}-rope{rope}-{_dt(src)}",
+                    DS,
+                    src,
+                    r,
+                    rope,
+                    seed=r + rope,
+                )
+            )
+    specs.append(_write("refuse-write-slot", torch.bfloat16, torch.float32, 16, 4, bad_slot=True))
+    return specs
+
+
+# ---- GEMM cores -------------------------------------------------------------------------------
+def _bf16(g: torch.Generator, *shape: int, s: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * s).to(torch.bfloat16)
+
+
+def _head_gemm(T: int, H: int, K: int, N: int, seed: int) -> Spec:
+    g = torch.Generator().manual_seed(seed)
+    w = _bf16(g, H, K, N)
+    xb = _bf16(g, T, H, K + 7)  # strided, as an engine hands q_nope
+    x = xb[:, :, :K]
+    fields: dict[str, cd.Field] = dict(
+        op="head_gemm",
+        T=T,
+        H=H,
+        K=K,
+        N=N,
+        x=xb,
+        x_s0=xb.stride(0),
+        x_s1=xb.stride(1),
+        w=w,
+        threads=1 + seed % 2,
+    )
+
+    def check(out: dict[str, bytes]) -> None:
+        y = cd.tensor(out["y"], torch.bfloat16, (T, H, N))
+        ref = torch.einsum("thk,hkn->thn", x.double(), w.double())
+        mag = torch.einsum("thk,hkn->thn", x.double().abs(), w.double().abs())
+        check_bf16_gemm(y, ref, mag, f"T{T} H{H} K{K} N{N}")
+        cols = build.HEAD_GEMM_COLS  # and the packed layout, element by element
+        nb, kp = -(-N // cols), -(-K // 2)
+        p = cd.tensor(out["packed"], torch.bfloat16, (H, nb, kp, cols, 2))
+        wpad = torch.zeros(H, 2 * kp, nb * cols, dtype=torch.bfloat16)
+        wpad[:, :K, :N] = w
+        expect = wpad.view(H, kp, 2, nb, cols).permute(0, 3, 1, 4, 2)
+        assert torch.equal(p.view(torch.int16), expect.contiguous().view(torch.int16))
+
+    return Spec(f"head-gemm-T{T}-H{H}-K{K}-N{N}", fields, check)
+
+
+def _decompress(
+    L: int,
+    H: int,
+    r: int,
+    nope: int,
+    rope: int,
+    vd: int,
+    seed: int,
+    uv_t: bool = False,
+) -> Spec:
+    g = torch.Generator().manual_seed(seed)
+    latent = _bf16(g, L, r + rope)
+    W_UK = _bf16(g, H, nope, r)
+    W_UV = _bf16(g, H, vd, r).transpose(1, 2) if uv_t else _bf16(g, H, r, vd)
+    fields: dict[str, cd.Field] = dict(
+        op="decompress",
+        L=L,
+        H=H,
+        r=r,
+        nope=nope,
+        rope=rope,
+        vdim=vd,
+        latent=latent,
+        W_UK=W_UK,
+        uk0=W_UK.stride(0),
+        uk1=W_UK.stride(1),
+        uk2=W_UK.stride(2),
+        W_UV=W_UV.transpose(1, 2) if uv_t else W_UV,  # the bytes as stored (uv_t: [H, v, r])
+        uv0=W_UV.stride(0),
+        uv1=W_UV.stride(1),
+        uv2=W_UV.stride(2),
+        threads=1 + seed % 2,
+    )
+    c_kv, k_pe = latent[:, :r], latent[:, r:]
+
+    def check(out: dict[str, bytes]) -> None:
+        k = cd.tensor(out["k"], torch.bfloat16, (L, H, nope + rope))
+        v = cd.tensor(out["v"], torch.bfloat16, (L, H, vd))
+        assert torch.equal(k[:, :, nope:], k_pe[:, None].expand(L, H, rope))
+        cd_, uk, uv = c_kv.double(), W_UK.double(), W_UV.double()
+        check_bf16_gemm(
+            k[:, :, :nope],
+            torch.einsum("lk,hdk->lhd", cd_, uk),
+            torch.einsum("lk,hdk->lhd", cd_.abs(), uk.abs()),
+            "k",
+        )
+        check_bf16_gemm(
+            v,
+            torch.einsum("lk,hkd->lhd", cd_, uv),
+            torch.einsum("lk,hkd->lhd", cd_.abs(), uv.abs()),
+            "v",
+        )
+
+    return Spec(
+        f"decompress-L{L}-H{H}-r{r}-{nope}-{rope}-{vd}{'-t' if uv_t else ''}",
+        fields,
+        check,
+    )
+
+
+def _mha(
+    H: int,
+    Lq: int,
+    Lk: int,
+    D: int,
+    Dv: int,
+    causal: bool,
+    seed: int,
+    s: float = 1.0,
+) -> Spec:
+    g = torch.Generator().manual_seed(seed)
+    q = _bf16(g, H, Lq, D, s=s)
+    k = _bf16(g, Lk, H, D, s=s).transpose(0, 1)  # [L, H, D] buffers viewed as [H, L, D]
+    v = _bf16(g, Lk, H, Dv).transpose(0, 1)
+    scale = 1.0 / math.sqrt(D)
+    fields: dict[str, cd.Field] = dict(
+        op="mha",
+        H=H,
+        Lq=Lq,
+        Lk=Lk,
+        D=D,
+        Dv=Dv,
+        causal=causal,
+        scale=scale,
+        q=q,
+        q_s0=q.stride(0),
+        q_s1=q.stride(1),
+        k=k.transpose(0, 1),
+        k_s0=k.stride(0),
+        k_s1=k.stride(1),
+        v=v.transpose(0, 1),
+        v_s0=v.stride(0),
+        v_s1=v.stride(1),
+        threads=1 + seed % 2,
+    )
+
+    def check(out: dict[str, bytes]) -> None:
+        o = cd.tensor(out["o"], torch.bfloat16, (H, Lq, Dv))
+        lse = cd.tensor(out["lse"], torch.float32, (H, Lq))
+        check_mha(o, lse, q, k, v, causal, scale)
+
+    return Spec(f"mha-H{H}-{Lq}x{Lk}-D{D}-{Dv}-{'causal' if causal else 'full'}", fields, check)
+
+
+def _gemm_specs() -> list[Spec]:
+    specs = []
+    for i, (T, H, K, N) in enumerate(
+        [
+            (1, 1, 1, 1),
+            (5, 3, 33, 70),
+            (7, 16, 128, 512),
+            (13, 3, 512, 128),
+            (0, 2, 8, 16),
+            (40, 128, 128, 64),
+            (33, 2, 96, 200),
+        ]
+    ):
+        specs.append(_head_gemm(T, H, K, N, seed=i))
+    for i, (L, H, r, nope, rope, vd) in enumerate(
+        [
+            (1, 1, 2, 1, 0, 1),
+            (65, 3, 33, 17, 5, 9),
+            (64, 16, 512, 128, 64, 128),
+            (300, 2, 96, 40, 8, 70),
+            (70, 128, 128, 32, 16, 32),
+        ]
+    ):
+        specs.append(_decompress(L, H, r, nope, rope, vd, seed=i, uv_t=i % 2 == 1))
+    for i, (H, Lq, Lk, D, Dv, causal) in enumerate(
+        [
+            (1, 1, 1, 1, 1, True),
+            (3, 65, 65, 33, 17, True),
+            (16, 24, 24, 192, 128, True),
+            (4, 1, 300, 192, 128, False),
+            (4, 100, 30, 8, 70, False),
+            (2, 7, 0, 16, 16, False),
+            (2, 130, 130, 64, 64, True),
+        ]
+    ):
+        specs.append(_mha(H, Lq, Lk, D, Dv, causal, seed=i, s=6.0 if i == 6 else 1.0))
+    return specs
+
+
+# ---- targets ----------------------------------------------------------------------------------
+def _host_levels() -> tuple[str, ...]:
+    return host_isas() if platform.machine().lower() in ("x86_64", "amd64") else ()
+
+
+TARGETS = cd.targets(_host_levels())
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Spec]]:
+    """Every case written once: (folder, name -> spec)."""
+    folder = tmp_path_factory.mktemp("core_cases")
+    specs = _attention_specs() + _write_specs() + _gemm_specs()
+    names = [s.name for s in specs]
+    assert len(set(names)) == len(names), "duplicate case names"
+    for s in specs:
+        cd.write_case(folder / f"{s.name}.case", **s.fields)
+    return folder, {s.name: s for s in specs}
+
+
+@pytest.fixture(scope="module")
+def drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
+    """Each buildable target's driver (built two at a time), or why it was not built."""
+    out_dir = tmp_path_factory.mktemp("core_drivers")
+    todo = {t.name: t for t in TARGETS if not t.missing_tools()}
+    unique = {}  # one build per (arch, level, sanitize): VLs share it
+    for t in todo.values():
+        unique.setdefault((t.arch, t.level, t.sanitize), t)
+
+    def one(t: cd.Target) -> Path | str:
+        try:
+            return cd.compile_driver(t, out_dir)
+        except RuntimeError as e:
+            return str(e)
+
+    with ThreadPoolExecutor(2) as pool:
+        built = dict(zip(unique, pool.map(one, unique.values())))
+    return {n: built[(t.arch, t.level, t.sanitize)] for n, t in todo.items()}
+
+
+SANITIZER_REPORT = re.compile(r"runtime error:|ERROR: AddressSanitizer|ERROR: LeakSanitizer")
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+def test_target_passes_the_grid(target: cd.Target, grid, drivers) -> None:
+    missing = target.missing_tools()
+    if missing:
+        pytest.skip(
+            f"{target.name}: {', '.join(missing)} not installed (python3 -m nox -s cores "
+            "installs them where apt-get can)"
+        )
+    exe = drivers[target.name]
+    assert isinstance(exe, Path), exe
+    folder, specs = grid
+    if target.emulated:
+        info = cd.run_driver(target, exe, ["--info"], timeout=60)
+        assert info.returncode == 0, info.stderr
+        m = re.search(r"sve_vl_bits=(\d+)", info.stdout)
+        assert m, info.stdout
+        if target.vl_bits:
+            assert int(m.group(1)) == target.vl_bits, info.stdout
+    chosen = list(specs.values())
+    paths = [str(folder / f"{s.name}.case") for s in chosen]
+    for p in paths:  # no stale answers from another target
+        Path(p + ".out").unlink(missing_ok=True)
+    res = cd.run_driver(
+        target, exe, paths, timeout=TIMEOUT["emulated" if target.emulated else "native"]
+    )
+    assert not SANITIZER_REPORT.search(res.stderr), res.stderr[-6000:]
+    assert res.returncode == 0, f"driver exit {res.returncode}\n{res.stderr[-6000:]}"
+    failures = []
+    for s, p in zip(chosen, paths):
+        try:
+            s.check(cd.read_output(Path(p + ".out")))
+        except AssertionError as e:
+            failures.append(f"{s.name}: {str(e)[:300]}")
+    assert not failures, (
+        f"{len(failures)} of {len(chosen)} cases failed on {target.name}:\n" + "\n".join(failures)
+    )
