@@ -65,7 +65,8 @@ class Target:
         return shutil.which("c++") or shutil.which("g++")
 
     def flags(self) -> list[str]:
-        flags = build.level_flags(self.level) + ["-pthread", f"-I{build._CSRC}"]
+        vl = {"vector_bits": self.vl_bits} if self.vl_bits else {}  # SVE: built per length
+        flags = build.level_flags(self.level, **vl) + ["-pthread", f"-I{build._CSRC}"]
         if self.sanitize:
             flags += ["-O1", "-g", *SANITIZE]  # the later -O1 wins over the level's -O3
         if self.emulated:
@@ -92,8 +93,13 @@ class Target:
 
 
 def uses_sve(level: str) -> bool:
-    """Whether a level's code depends on the SVE vector length (its flags enable SVE)."""
-    return any("sve" in f for f in build.level_flags(level))
+    """Whether a level's code depends on the SVE vector length: its flags enable SVE, or
+    ``build.level_flags`` wants the vector length it is built for (``vector_bits``)."""
+    try:
+        flags = build.level_flags(level)
+    except ValueError:  # no default vector length on this host: a per-length build
+        return True
+    return any("sve" in f for f in flags)
 
 
 def targets(host_levels: Sequence[str]) -> list[Target]:

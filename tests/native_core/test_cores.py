@@ -605,9 +605,9 @@ def drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
     """Each buildable target's driver (built two at a time), or why it was not built."""
     out_dir = tmp_path_factory.mktemp("core_drivers")
     todo = {t.name: t for t in TARGETS if not t.missing_tools()}
-    unique = {}  # one build per (arch, level, sanitize): VLs share it
+    unique = {}  # one build per set of flags
     for t in todo.values():
-        unique.setdefault((t.arch, t.level, t.sanitize), t)
+        unique.setdefault(tuple(t.flags()), t)
 
     def one(t: cd.Target) -> Path | str:
         try:
@@ -617,7 +617,7 @@ def drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
 
     with ThreadPoolExecutor(2) as pool:
         built = dict(zip(unique, pool.map(one, unique.values())))
-    return {n: built[(t.arch, t.level, t.sanitize)] for n, t in todo.items()}
+    return {n: built[tuple(t.flags())] for n, t in todo.items()}
 
 
 SANITIZER_REPORT = re.compile(r"runtime error:|ERROR: AddressSanitizer|ERROR: LeakSanitizer")
