@@ -1,17 +1,18 @@
 """Native C++ CPU kernels for absorbed MLA, the device seam's ``native`` implementation.
 
-- :mod:`.build`: the loader: one build per ISA level (:data:`ISA_LEVELS`: scalar, avx2, avx512,
-  avx512_bf16, amx), compiled at first use for the levels the CPU executes (:func:`host_isas`),
+- :mod:`.build`: the loader: one build per ISA level (:data:`ISA_LEVELS`, the running
+  architecture's: scalar, avx2, avx512, avx512_bf16, amx on x86-64; scalar, neon, neon_bf16,
+  sve on aarch64), compiled at first use for the levels the CPU executes (:func:`host_isas`),
   the best one (or ``MLA_BACKEND_NATIVE_ISA``) selected (:func:`selected_isa`), each level's
   ops under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
 - :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
 - :mod:`.kernels`: :class:`Kernels`, the :class:`mla_backend.ops.KernelImpl` over them;
 - ``csrc/``: the C++ sources: ``vec.h`` (the vector layer: fp32 vectors of the level's width,
-  AVX-512 / AVX2 + FMA + F16C / portable, with bf16 / fp16 / e4m3 widening loads and narrowing
-  stores), ``attention_core.h`` (the torch-free attention and cache-row cores over raw
-  pointers, threads through a callback), ``mla_cpu.cpp`` (the torch layer: checks, the
-  ``torch.library`` registration), ``head_gemm.cpp`` / ``mha_prefill.cpp`` (absorption GEMMs,
-  normal-path MHA).
+  AVX-512 / AVX2 + FMA + F16C / SVE / NEON / portable, with bf16 / fp16 / e4m3 widening
+  loads and narrowing stores), ``attention_core.h`` (the torch-free attention and cache-row
+  cores over raw pointers, threads through a callback), ``mla_cpu.cpp`` (the torch layer:
+  checks, the ``torch.library`` registration), ``head_gemm.cpp`` / ``mha_prefill.cpp``
+  (absorption GEMMs, normal-path MHA).
 
 Engines per level: the fp32 engine (any q / cache dtype; widened tiles, fp32 FMAs) at every
 level over ``vec.h``; at ``avx512_bf16`` and ``amx`` bf16 queries use the bf16 engine

@@ -278,8 +278,12 @@ inline void softmax_tile(float* S, int rows, int nt, int ntp, const int64_t* lim
 // of the P.V column block), q rows likewise: the hot loops read whole vectors only.
 template <typename QT, typename CT, int kMode>
 struct F32Engine {
-#if defined(MLA_HAS_AVX512)
-  static constexpr int NQ = 4, NK = 4, MR = 6, NC = 4;  // 32 zmm registers
+  // Register blocking: scores NQ query rows x NK kv rows of W-lane accumulators; P.V MR rows x
+  // NC vectors (kCB = NC x W output columns per block). 32 registers (avx512 W = 16; aarch64
+  // neon / neon_bf16 W = 4, sve W = VL / 32): 4 x 4 and 6 x 4 (neon: 16 P.V columns per block,
+  // sve at VL 256: 32); 16 registers (avx2 W = 8, scalar): 4 x 3 and 4 x 3.
+#if defined(MLA_HAS_AVX512) || defined(MLA_HAS_NEON)
+  static constexpr int NQ = 4, NK = 4, MR = 6, NC = 4;  // 32 zmm / v / z registers
 #else
   static constexpr int NQ = 4, NK = 3, MR = 4, NC = 3;  // 16 ymm registers
 #endif

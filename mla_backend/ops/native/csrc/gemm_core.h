@@ -15,11 +15,22 @@
 //      round_up(K, 32), zero-padded (and zero rows up to a multiple of 16 for AMX tiles);
 //   C  fp32, row stride ldc; with AMX the buffer must hold round_up(M, 16) rows.
 //
-// Per level (the ISA-specific parts are the three inner kernels below, nothing else):
-//   scalar      plain loops (the fallback of non-x86 builds);
+// Vectors come from vec.h (VecF, W fp32 lanes of the level; load_bf16_pairs widens B's pairs).
+// Per level (the ISA-specific parts are the inner kernels below, nothing else):
+//   scalar      vec.h's portable 8-lane VecF in plain loops, 4 rows x 16 columns per block;
 //   avx2        8-lane fp32 FMA: B's bf16 pairs widened in registers (a 16-bit shift for the
 //               even k, a mask for the odd k), 4 rows x 16 columns per register block;
 //   avx512      the same over 16 lanes, 4 rows x 64 columns;
+//   neon        the avx2 scheme over 4-lane float32x4 (32 registers): 4 rows x 16 columns
+//               (16 accumulators, 8 widened B vectors, 2 broadcasts);
+//   neon_bf16   BFDOT (vbfdotq_f32) on A's bf16 pairs, broadcast, against 4 B vectors of 4
+//               columns' pairs: 6 rows x 16 columns per register block (24 accumulators),
+//               4 blocks per 64 columns. (BFMMLA would need B packed in k-quads x column
+//               pairs, a different packed layout than the one every level shares; not used.)
+//   sve         SVE BFDOT (svbfdot_f32), the neon_bf16 scheme over W = VL / 32 lanes:
+//               6 rows x kNVD vectors, kNVD = min(4, 64 / W) (VL 128: 16 columns per block,
+//               256: 32, 512: 64, 1024: 2 vectors of 32, 2048: 1 of 64); the VL is the build's
+//               (-msve-vector-bits), every loop steps by W;
 //   avx512_bf16 vdpbf16ps on A's bf16 pairs (exact products, fp32 sums), 6 rows x 64 columns;
 //   amx         AMX-BF16 tiles (16 x 32 A, 16 pairs x 16 B, 16 x 16 fp32 C) for row blocks of
 //               >= kAmxMinRows rows and whole chunks of 32 k; the k tail as avx512_bf16.
@@ -32,23 +43,7 @@
 #include <cstring>
 #include <limits>
 
-#if !defined(MLA_ISA_SCALAR) && !defined(MLA_ISA_AVX2) && !defined(MLA_ISA_AVX512) && \
-    !defined(MLA_ISA_AVX512BF16) && !defined(MLA_ISA_AMX)
-// a build that names no level: take what the compiler was told
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define MLA_HAS_AVX2 1
-#endif
-#if defined(MLA_HAS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define MLA_HAS_AVX512 1
-#endif
-#if defined(MLA_HAS_AVX512) && defined(__AVX512BF16__)
-#define MLA_HAS_AVX512BF16 1
-#endif
-#if defined(MLA_HAS_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define MLA_HAS_AMX 1
-#endif
-#endif
+#include "vec.h"  // the vector layer (and the level macros of a build that names none)
 
 #if defined(MLA_HAS_AVX2)
 #include <immintrin.h>
@@ -73,151 +68,16 @@ constexpr int kAmxMinRows = 8;     // fewer rows than this: the vector kernel, n
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
 
-// ---- scalar bf16 <-> fp32 -------------------------------------------------------------
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t f32_to_bf16(float f) {  // nearest even; NaN stays a (quiet) NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// ---- the vector type: W fp32 lanes ---------------------------------------------------
-#if defined(MLA_HAS_AVX512)
-struct VF {
-  using T = __m512;
-  static constexpr int W = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T set1(float x) { return _mm512_set1_ps(x); }
-  static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  static T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
-  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static T max(T a, T b) { return _mm512_max_ps(a, b); }
-  static T min(T a, T b) { return _mm512_min_ps(a, b); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static T pow2i(T n) {  // 2^n for integral n in [-126, 127]
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-  }
-  static T zero_where_le(T v, T x, float lo) {
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GT_OQ), v);
-  }
-  static float hsum(T v) { return _mm512_reduce_add_ps(v); }
-  static float hmax(T v) { return _mm512_reduce_max_ps(v); }
-  // W bf16 pairs (2W uint16) -> the even and the odd element of each pair as fp32
-  static void widen_pairs(const uint16_t* p, T& even, T& odd) {
-    const __m512i v = _mm512_loadu_si512(p);
-    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-  static void store_bf16(uint16_t* p, T v) {
-#if defined(MLA_HAS_AVX512BF16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-#else
-    const __m512i x = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-#endif
-  }
-};
-#elif defined(MLA_HAS_AVX2)
-struct VF {
-  using T = __m256;
-  static constexpr int W = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T set1(float x) { return _mm256_set1_ps(x); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static T max(T a, T b) { return _mm256_max_ps(a, b); }
-  static T min(T a, T b) { return _mm256_min_ps(a, b); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static T pow2i(T n) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-  }
-  static T zero_where_le(T v, T x, float lo) {
-    return _mm256_and_ps(v, _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GT_OQ));
-  }
-  static float hsum(T v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-  static float hmax(T v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-  }
-  static void widen_pairs(const uint16_t* p, T& even, T& odd) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-  static void store_bf16(uint16_t* p, T v) {
-    const __m256i x = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40)), nan);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-  }
-};
-#else
-struct VF {  // one lane: the portable build
-  using T = float;
-  static constexpr int W = 1;
-  static T zero() { return 0.0f; }
-  static T set1(float x) { return x; }
-  static T load(const float* p) { return *p; }
-  static void store(float* p, T v) { *p = v; }
-  static T add(T a, T b) { return a + b; }
-  static T sub(T a, T b) { return a - b; }
-  static T mul(T a, T b) { return a * b; }
-  static T max(T a, T b) { return a > b ? a : b; }
-  static T min(T a, T b) { return a < b ? a : b; }
-  static T fma(T a, T b, T c) { return a * b + c; }  // std::fma is a libm call without FMA
-  static T round(T x) { return std::nearbyint(x); }
-  static T pow2i(T n) { return std::ldexp(1.0f, static_cast<int>(n)); }
-  static T zero_where_le(T v, T x, float lo) { return x > lo ? v : 0.0f; }
-  static float hsum(T v) { return v; }
-  static float hmax(T v) { return v; }
-  static void widen_pairs(const uint16_t* p, T& even, T& odd) {
-    even = bf16_to_f32(p[0]);
-    odd = bf16_to_f32(p[1]);
-  }
-  static void store_bf16(uint16_t* p, T v) { *p = f32_to_bf16(v); }
-};
-#endif
-
-// exp(x), ~1 ulp on the softmax range; x <= -87 (and -inf) gives exactly 0.
-inline VF::T vexp(VF::T x) {
-  constexpr float kCoef[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-  const VF::T y = VF::min(VF::max(x, VF::set1(-87.0f)), VF::set1(88.0f));
-  const VF::T n = VF::round(VF::mul(y, VF::set1(1.44269504088896341f)));
-  VF::T r = VF::fma(n, VF::set1(-0.693359375f), y);
-  r = VF::fma(n, VF::set1(2.12194440e-4f), r);
-  VF::T p = VF::set1(kCoef[0]);
-  for (int i = 1; i < 7; ++i) p = VF::fma(p, r, VF::set1(kCoef[i]));
-  return VF::zero_where_le(VF::mul(p, VF::pow2i(n)), x, -87.0f);
-}
+using mla_native::vec::VecF;
+using mla_native::vec::bf16_to_f32;
+using mla_native::vec::f32_to_bf16;  // nearest even; NaN -> 0x7fc0 (as c10)
 
 // ---- A operand ------------------------------------------------------------------------
-#if defined(MLA_HAS_AVX512BF16)
-using AElem = uint16_t;  // bf16 rows (vdpbf16ps / AMX)
+#if defined(MLA_HAS_AVX512BF16) || defined(MLA_HAS_NEON_BF16)
+#define MLA_GEMM_BF16 1  // a bf16 dot-product inner kernel: A in bf16
+#endif
+#if defined(MLA_GEMM_BF16)
+using AElem = uint16_t;  // bf16 rows (vdpbf16ps / AMX / BFDOT)
 inline AElem a_from_bf16(uint16_t v) { return v; }
 inline AElem a_from_f32(float v) { return f32_to_bf16(v); }
 #else
@@ -315,29 +175,89 @@ inline void kernel_dot(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, co
 }
 constexpr int kMR = 6;
 #define MLA_INNER kernel_dot
-#else
-// M rows x NV vectors of columns, fp32 FMA; B's bf16 pairs widened in registers.
-constexpr int kNV = VF::W >= 16 ? 4 : (VF::W >= 8 ? 2 : 1);
+#elif defined(MLA_HAS_SVE)
+// M rows x kNVD vectors of W columns per pass (64 / (kNVD W) passes per 64 columns), SVE BFDOT:
+// each fp32 lane += the dot product of its column's bf16 pair with A's pair, broadcast.
+typedef svbfloat16_t mla_svbf16 __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_BITS)));
+constexpr int kNVD = VecF::W >= kCols ? 1 : std::min<int>(4, kCols / VecF::W);
 template <int M>
-inline void kernel_widen(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, const uint16_t* b,
-                         int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  constexpr int W = VF::W;
-  for (int64_t n0 = 0; n0 < kCols; n0 += kNV * W) {
-    typename VF::T acc[M][kNV];
+inline void kernel_dot(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, const uint16_t* b,
+                       int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  constexpr int W = VecF::W;
+  const svbool_t all16 = svptrue_b16();
+  for (int64_t n0 = 0; n0 < kCols; n0 += kNVD * W) {
+    VecF acc[M][kNVD];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < kNV; ++j) acc[m][j] = accumulate ? VF::load(c + m * ldc + n0 + j * W) : VF::zero();
+      for (int j = 0; j < kNVD; ++j) acc[m][j] = accumulate ? VecF::load(c + m * ldc + n0 + j * W) : VecF::zero();
     for (int64_t kp = kp0; kp < kp1; ++kp) {
       const uint16_t* bp = b + (kp * ldb + n0) * 2;
-      typename VF::T ev[kNV], od[kNV];
-      for (int j = 0; j < kNV; ++j) VF::widen_pairs(bp + 2 * W * j, ev[j], od[j]);
+      mla_svbf16 bv[kNVD];
+      for (int j = 0; j < kNVD; ++j) bv[j] = svreinterpret_bf16_u16(svld1_u16(all16, bp + 2 * W * j));
       for (int m = 0; m < M; ++m) {
-        const typename VF::T a0 = VF::set1(a[m * lda + 2 * kp]);
-        const typename VF::T a1 = VF::set1(a[m * lda + 2 * kp + 1]);
-        for (int j = 0; j < kNV; ++j) acc[m][j] = VF::fma(a1, od[j], VF::fma(a0, ev[j], acc[m][j]));
+        uint32_t pair;
+        std::memcpy(&pair, a + m * lda + 2 * kp, 4);
+        const svbfloat16_t av = svreinterpret_bf16_u32(svdup_n_u32(pair));
+        for (int j = 0; j < kNVD; ++j) acc[m][j] = VecF(svbfdot_f32(acc[m][j].v, bv[j], av));
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < kNV; ++j) VF::store(c + m * ldc + n0 + j * W, acc[m][j]);
+      for (int j = 0; j < kNVD; ++j) acc[m][j].store(c + m * ldc + n0 + j * W);
+  }
+}
+constexpr int kMR = 6;
+#define MLA_INNER kernel_dot
+#elif defined(MLA_HAS_NEON_BF16)
+// M rows x 16 columns (4 float32x4) per pass, 4 passes per 64 columns, BFDOT (vbfdotq_f32):
+// each fp32 lane += the dot product of its column's bf16 pair with A's pair, broadcast.
+template <int M>
+inline void kernel_dot(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, const uint16_t* b,
+                       int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < kCols; n0 += 16) {
+    float32x4_t acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = accumulate ? vld1q_f32(c + m * ldc + n0 + 4 * j) : vdupq_n_f32(0.0f);
+    for (int64_t kp = kp0; kp < kp1; ++kp) {
+      const uint16_t* bp = b + (kp * ldb + n0) * 2;
+      bfloat16x8_t bv[4];
+      for (int j = 0; j < 4; ++j) bv[j] = vreinterpretq_bf16_u16(vld1q_u16(bp + 8 * j));
+      for (int m = 0; m < M; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, a + m * lda + 2 * kp, 4);
+        const bfloat16x8_t av = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+        for (int j = 0; j < 4; ++j) acc[m][j] = vbfdotq_f32(acc[m][j], bv[j], av);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 4; ++j) vst1q_f32(c + m * ldc + n0 + 4 * j, acc[m][j]);
+  }
+}
+constexpr int kMR = 6;
+#define MLA_INNER kernel_dot
+#else
+// M rows x kNV vectors of columns, fp32 FMA; B's bf16 pairs widened in registers.
+// (32 registers: up to 4 vectors, 64 columns; 16 registers: 64 / 16 / 8 columns for W = 16 / 8 / 1)
+constexpr int kNV = mla_native::vec::kVecRegs >= 32 ? std::min<int>(4, kCols / VecF::W)
+                                                     : (VecF::W >= 16 ? 4 : (VecF::W >= 8 ? 2 : 1));
+template <int M>
+inline void kernel_widen(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, const uint16_t* b,
+                         int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  constexpr int W = VecF::W;
+  for (int64_t n0 = 0; n0 < kCols; n0 += kNV * W) {
+    VecF acc[M][kNV];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kNV; ++j) acc[m][j] = accumulate ? VecF::load(c + m * ldc + n0 + j * W) : VecF::zero();
+    for (int64_t kp = kp0; kp < kp1; ++kp) {
+      const uint16_t* bp = b + (kp * ldb + n0) * 2;
+      VecF ev[kNV], od[kNV];
+      for (int j = 0; j < kNV; ++j) VecF::load_bf16_pairs(bp + 2 * W * j, ev[j], od[j]);
+      for (int m = 0; m < M; ++m) {
+        const VecF a0 = VecF::set1(a[m * lda + 2 * kp]);
+        const VecF a1 = VecF::set1(a[m * lda + 2 * kp + 1]);
+        for (int j = 0; j < kNV; ++j) acc[m][j] = mla_native::vec::fma(a1, od[j], mla_native::vec::fma(a0, ev[j], acc[m][j]));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kNV; ++j) acc[m][j].store(c + m * ldc + n0 + j * W);
   }
 }
 constexpr int kMR = 4;
@@ -351,7 +271,7 @@ inline void inner_rows(int M, const AElem* a, int64_t lda, int64_t kp0, int64_t 
     case 1: return MLA_INNER<1>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
     case 2: return MLA_INNER<2>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
     case 3: return MLA_INNER<3>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
-#if defined(MLA_HAS_AVX512BF16)
+#if defined(MLA_GEMM_BF16)
     case 4: return MLA_INNER<4>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
     case 5: return MLA_INNER<5>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
     default: return MLA_INNER<6>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
@@ -483,9 +403,10 @@ inline void store_bf16(const float* c, int64_t ldc, int M, int64_t N, uint16_t* 
   for (int m = 0; m < M; ++m) {
     const float* cr = c + m * ldc;
     uint16_t* d = direct ? dst + m * drow : tile + m * kCols;
-    int64_t n = 0;
-    for (; n + VF::W <= N; n += VF::W) VF::store_bf16(d + n, VF::load(cr + n));
-    for (; n < N; ++n) d[n] = f32_to_bf16(cr[n]);
+    for (int64_t n = 0; n < N; n += VecF::W) {
+      const int k = static_cast<int>(std::min<int64_t>(VecF::W, N - n));
+      (k == VecF::W ? VecF::load(cr + n) : VecF::load_n(cr + n, k)).store_bf16_n(d + n, k);
+    }
   }
   if (direct) return;
   for (int64_t n = 0; n < N; ++n) {

@@ -29,7 +29,7 @@ namespace {
 
 using mla_core::cdiv;
 using mla_core::kCols;  // keys per block
-using mla_core::VF;
+using mla_core::VecF;
 constexpr int64_t kBM = mla_core::kMaxRows;  // query rows per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -72,27 +72,27 @@ float softmax_block(float* s, int64_t lim, float scale, float& m, float& l) {
     return 1.0f;
   }
   for (int64_t j = lim; j < kCols; ++j) s[j] = kNegInf;
-  const VF::T vs = VF::set1(scale);
-  VF::T vmax = VF::set1(kNegInf);
-  for (int64_t j = 0; j < kCols; j += VF::W) {
-    const VF::T x = VF::mul(VF::load(s + j), vs);
-    VF::store(s + j, x);
-    vmax = VF::max(vmax, x);
+  const VecF vs = VecF::set1(scale);
+  VecF vmax = VecF::set1(kNegInf);
+  for (int64_t j = 0; j < kCols; j += VecF::W) {
+    const VecF x = VecF::load(s + j) * vs;
+    x.store(s + j);
+    vmax = vec::max(vmax, x);
   }
-  const float mx = std::max(m, VF::hmax(vmax));
+  const float mx = std::max(m, vec::hmax(vmax));
   if (mx == kNegInf) {  // every visible score is -inf: nothing to add
     std::fill(s, s + kCols, 0.0f);
     return 1.0f;
   }
-  const VF::T vmx = VF::set1(mx);
-  VF::T vsum = VF::zero();
-  for (int64_t j = 0; j < kCols; j += VF::W) {
-    const VF::T p = mla_core::vexp(VF::sub(VF::load(s + j), vmx));
-    VF::store(s + j, p);
-    vsum = VF::add(vsum, p);
+  const VecF vmx = VecF::set1(mx);
+  VecF vsum = VecF::zero();
+  for (int64_t j = 0; j < kCols; j += VecF::W) {
+    const VecF p = vec::exp(VecF::load(s + j) - vmx);
+    p.store(s + j);
+    vsum = vsum + p;
   }
   const float alpha = m == kNegInf ? 1.0f : std::exp(m - mx);
-  l = l * alpha + VF::hsum(vsum);
+  l = l * alpha + vec::hsum(vsum);
   m = mx;
   return alpha;
 }
@@ -126,9 +126,9 @@ void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk,
       if (rescale) {
         for (int r = 0; r < M; ++r) {
           if (alpha[r] == 1.0f) continue;
-          const VF::T va = VF::set1(alpha[r]);
+          const VecF va = VecF::set1(alpha[r]);
           float* orow = O.data() + r * Dvp;
-          for (int64_t c = 0; c < Dvp; c += VF::W) VF::store(orow + c, VF::mul(VF::load(orow + c), va));
+          for (int64_t c = 0; c < Dvp; c += VecF::W) (VecF::load(orow + c) * va).store(orow + c);
         }
       }
       const auto Ap = mla_core::pack_a_f32(S.data(), kCols, M, kCols, ap.data());
@@ -138,8 +138,8 @@ void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk,
       uint16_t* orow = a.o + (h * a.Lq + q0 + r) * a.Dv;
       float* acc = O.data() + r * Dvp;
       if (l[r] > 0.0f) {
-        const VF::T inv = VF::set1(1.0f / l[r]);
-        for (int64_t c = 0; c < Dvp; c += VF::W) VF::store(acc + c, VF::mul(VF::load(acc + c), inv));
+        const VecF inv = VecF::set1(1.0f / l[r]);
+        for (int64_t c = 0; c < Dvp; c += VecF::W) (VecF::load(acc + c) * inv).store(acc + c);
         mla_core::store_bf16(acc, Dvp, 1, a.Dv, orow, 0, 1);
         a.lse[h * a.Lq + q0 + r] = m[r] + std::log(l[r]);
       } else {
