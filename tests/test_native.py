@@ -18,6 +18,7 @@ from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
 from mla_backend.testing.cases import make_case
+from mla_backend.testing.native_checks import ATTENTION_DTYPES
 from mla_backend.testing.native_checks import check_absorbed as _check
 
 if not native.host_isas():
@@ -29,16 +30,7 @@ DS = torch.uint8  # fp8_ds_mla rows
 # DeepSeek's.
 SHAPES = [(16, 4), (40, 6), (32, 0), (96, 32), (200, 32), (33, 0), (512, 64)]
 # (q dtype, cache dtype)
-DTYPES = [
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.float32, torch.float32),
-    (torch.bfloat16, FP8),
-    (torch.float32, FP8),
-    (torch.bfloat16, DS),
-    (torch.float16, DS),
-    (torch.float32, DS),
-]
+DTYPES = ATTENTION_DTYPES
 
 
 def _dims(H: int, r: int, rope: int) -> mb.MLADims:

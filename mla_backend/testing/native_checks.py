@@ -16,6 +16,17 @@ from .reference import plain_attention
 
 FP8 = torch.float8_e4m3fn
 DS = torch.uint8  # fp8_ds_mla rows
+#: (q dtype, cache dtype) of absorbed attention: plain caches, per-tensor fp8, fp8_ds_mla
+ATTENTION_DTYPES = [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, FP8),
+    (torch.float32, FP8),
+    (torch.bfloat16, DS),
+    (torch.float16, DS),
+    (torch.float32, DS),
+]
 
 
 def absorbed_references(

@@ -40,21 +40,17 @@ from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops.native import build, host_isas
 from mla_backend.testing import core_driver as cd
 from mla_backend.testing.cases import make_case
-from mla_backend.testing.native_checks import check_absorbed, check_bf16_gemm, check_mha
+from mla_backend.testing.native_checks import (
+    ATTENTION_DTYPES,
+    check_absorbed,
+    check_bf16_gemm,
+    check_mha,
+)
 
 FP8, DS = torch.float8_e4m3fn, torch.uint8
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 DT_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-DTYPES = [
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.float32, torch.float32),
-    (torch.bfloat16, FP8),
-    (torch.float32, FP8),
-    (torch.bfloat16, DS),
-    (torch.float16, DS),
-    (torch.float32, DS),
-]
+DTYPES = ATTENTION_DTYPES
 SHAPES = [(16, 4), (40, 6), (32, 0), (200, 32), (33, 0), (512, 64)]
 MIXED = ([0, 5, 37, 0, 64, 3], [1, 1, 4, 9, 1, 0])  # extends, decodes, an empty request
 TIMEOUT = {"native": 300, "emulated": 600}  # seconds per driver run (all cases)
@@ -150,31 +146,13 @@ def _attention(
     mode = 2 if cdt == DS else (1 if cdt == FP8 else 0)
     top = max(int(bt[i, :u].max()) for i, u in enumerate(used) if u > 0)
     fields: dict[str, cd.Field] = dict(
-        op="attention",
-        qdt=DT_CODE[qdt],
-        mode=mode,
-        H=H,
-        r=r,
-        rope=rope,
-        B=len(prefix),
-        T=T,
-        page_size=page,
-        num_pages=case.kv_cache.shape[0],
-        bt_rows=bt.shape[0],
-        bt_width=bt.shape[1],
-        q_s0=q.stride(0),
-        q_s1=q.stride(1),
-        q=q,
-        cache=case.kv_cache,
-        bt=bt,
-        cu=torch.tensor(case.batch.cu_new, dtype=torch.int32),
-        kvl=torch.tensor(case.batch.kv_lens, dtype=torch.int32),
-        scale=scale,
-        kv_scale=kvs,
-        splits=splits,
-        max_page_id=top if max_page_id else -1,
-        threads=threads,
-    )
+        op="attention", qdt=DT_CODE[qdt], mode=mode, H=H, r=r, rope=rope, B=len(prefix), T=T,
+        page_size=page, num_pages=case.kv_cache.shape[0], bt_rows=bt.shape[0],
+        bt_width=bt.shape[1], q_s0=q.stride(0), q_s1=q.stride(1), q=q, cache=case.kv_cache,
+        bt=bt, cu=torch.tensor(case.batch.cu_new, dtype=torch.int32),
+        kvl=torch.tensor(case.batch.kv_lens, dtype=torch.int32), scale=scale, kv_scale=kvs,
+        splits=splits, max_page_id=top if max_page_id else -1, threads=threads,
+    )  # fmt: skip
     if mutate is not None:
         mutate(fields)
         return Spec(name, fields, _refused(*refusal))
@@ -346,22 +324,10 @@ def _write(
         cache = torch.full((pages, ps, r + rope), 1.0).to(cdt)
         mode, cache_dt = (1, 0) if cdt == FP8 else (0, DT_CODE[cdt])
     fields: dict[str, cd.Field] = dict(
-        op="write",
-        mode=mode,
-        cache_dt=cache_dt,
-        rope_dt=DT_CODE[src],
-        r=r,
-        rope=rope,
-        T=T,
-        page_size=ps,
-        num_pages=pages,
-        cache=cache,
-        c_kv=c.float(),
-        k_pe=k.float(),
-        slots=slots,
-        kv_scale=float(scale) if scale is not None else 1.0,
-        threads=2 if seed % 2 else 1,
-    )
+        op="write", mode=mode, cache_dt=cache_dt, rope_dt=DT_CODE[src], r=r, rope=rope, T=T,
+        page_size=ps, num_pages=pages, cache=cache, c_kv=c.float(), k_pe=k.float(), slots=slots,
+        kv_scale=float(scale) if scale is not None else 1.0, threads=2 if seed % 2 else 1,
+    )  # fmt: skip
     if bad_slot:
         return Spec(
             name,
@@ -435,17 +401,9 @@ def _head_gemm(T: int, H: int, K: int, N: int, seed: int) -> Spec:
     xb = _bf16(g, T, H, K + 7)  # strided, as an engine hands q_nope
     x = xb[:, :, :K]
     fields: dict[str, cd.Field] = dict(
-        op="head_gemm",
-        T=T,
-        H=H,
-        K=K,
-        N=N,
-        x=xb,
-        x_s0=xb.stride(0),
-        x_s1=xb.stride(1),
-        w=w,
+        op="head_gemm", T=T, H=H, K=K, N=N, x=xb, x_s0=xb.stride(0), x_s1=xb.stride(1), w=w,
         threads=1 + seed % 2,
-    )
+    )  # fmt: skip
 
     def check(out: dict[str, bytes]) -> None:
         y = cd.tensor(out["y"], torch.bfloat16, (T, H, N))
@@ -478,24 +436,11 @@ def _decompress(
     W_UK = _bf16(g, H, nope, r)
     W_UV = _bf16(g, H, vd, r).transpose(1, 2) if uv_t else _bf16(g, H, r, vd)
     fields: dict[str, cd.Field] = dict(
-        op="decompress",
-        L=L,
-        H=H,
-        r=r,
-        nope=nope,
-        rope=rope,
-        vdim=vd,
-        latent=latent,
-        W_UK=W_UK,
-        uk0=W_UK.stride(0),
-        uk1=W_UK.stride(1),
-        uk2=W_UK.stride(2),
+        op="decompress", L=L, H=H, r=r, nope=nope, rope=rope, vdim=vd, latent=latent, W_UK=W_UK,
+        uk0=W_UK.stride(0), uk1=W_UK.stride(1), uk2=W_UK.stride(2),
         W_UV=W_UV.transpose(1, 2) if uv_t else W_UV,  # the bytes as stored (uv_t: [H, v, r])
-        uv0=W_UV.stride(0),
-        uv1=W_UV.stride(1),
-        uv2=W_UV.stride(2),
-        threads=1 + seed % 2,
-    )
+        uv0=W_UV.stride(0), uv1=W_UV.stride(1), uv2=W_UV.stride(2), threads=1 + seed % 2,
+    )  # fmt: skip
     c_kv, k_pe = latent[:, :r], latent[:, r:]
 
     def check(out: dict[str, bytes]) -> None:
@@ -539,25 +484,11 @@ def _mha(
     v = _bf16(g, Lk, H, Dv).transpose(0, 1)
     scale = 1.0 / math.sqrt(D)
     fields: dict[str, cd.Field] = dict(
-        op="mha",
-        H=H,
-        Lq=Lq,
-        Lk=Lk,
-        D=D,
-        Dv=Dv,
-        causal=causal,
-        scale=scale,
-        q=q,
-        q_s0=q.stride(0),
-        q_s1=q.stride(1),
-        k=k.transpose(0, 1),
-        k_s0=k.stride(0),
-        k_s1=k.stride(1),
-        v=v.transpose(0, 1),
-        v_s0=v.stride(0),
-        v_s1=v.stride(1),
+        op="mha", H=H, Lq=Lq, Lk=Lk, D=D, Dv=Dv, causal=causal, scale=scale, q=q,
+        q_s0=q.stride(0), q_s1=q.stride(1), k=k.transpose(0, 1), k_s0=k.stride(0),
+        k_s1=k.stride(1), v=v.transpose(0, 1), v_s0=v.stride(0), v_s1=v.stride(1),
         threads=1 + seed % 2,
-    )
+    )  # fmt: skip
 
     def check(out: dict[str, bytes]) -> None:
         o = cd.tensor(out["o"], torch.bfloat16, (H, Lq, Dv))
