@@ -211,20 +211,9 @@ struct AmxEngine {
     const __m512i pidx = _mm512_load_si512(pair_idx);
     const int nblk = static_cast<int>(round_up(nt, 32)) / 32;  // blocks of 16 kv pairs
     for (int v = 0; v < R / 16; ++v) {
-      alignas(64) int32_t limv[16];
-      for (int m = 0; m < 16; ++m)
-        limv[m] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lim[16 * v + m] - t0, 0), nt));
-      const __m512i vlim = _mm512_load_si512(limv);  // valid kv count per row in this tile
-      __m512 mx = _mm512_set1_ps(kNegInf);
-      for (int n = 0; n < nt; ++n) {
-        const __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
-        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_mul_ps(_mm512_loadu_ps(St + n * R + 16 * v), vsc));
-      }
-      const __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
-      const __m512 mnew = _mm512_max_ps(mold, mx);
-      // rows without a valid column keep alpha = 1 (their m / l do not change)
-      const __mmask16 any = _mm512_cmpgt_epi32_mask(vlim, _mm512_setzero_si512());
-      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any, exp512(_mm512_sub_ps(mold, mnew)));
+      const ColSoftmax cs(St + 16 * v, R, nt, lim + 16 * v, t0, vsc, mrow + 16 * v);
+      const __m512i vlim = cs.vlim;
+      const __m512 mnew = cs.mnew;
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < nblk; ++j) {
         __m512i x[16];
@@ -244,10 +233,7 @@ struct AmxEngine {
         transpose16_epi32(x);  // x[i]: row 16 v + i, kv pairs 16 j .. 16 j + 15
         for (int i = 0; i < 16; ++i) _mm512_storeu_si512(Pa + (16 * v + i) * kTile + 32 * j, x[i]);
       }
-      const __m512 lold = _mm512_loadu_ps(lrow + 16 * v);
-      _mm512_storeu_ps(lrow + 16 * v, _mm512_fmadd_ps(lold, a, sum));
-      _mm512_storeu_ps(mrow + 16 * v, _mm512_mask_mov_ps(mold, any, mnew));
-      _mm512_storeu_ps(alpha + 16 * v, a);
+      cs.finish(sum, mrow + 16 * v, lrow + 16 * v, alpha + 16 * v);
     }
   }
 

@@ -394,6 +394,38 @@ inline void pack_v_pairs(const uint16_t* const* rows, int nt, const uint16_t* ze
   }
 }
 
+// The online-softmax bookkeeping of 16 query rows held in lanes (the engines whose scores come
+// out as S^T [kv][R]): St points at the rows' column in S^T (row stride R floats), lim at their
+// causal limits. The constructor finds the valid kv count per row in the tile (vlim), the new
+// running max (mnew) and the rescale factor alpha = exp(m_old - m_new) (1 for rows without a
+// valid column: their m / l do not change); finish() stores l = l alpha + sum, m and alpha.
+struct ColSoftmax {
+  __m512i vlim;
+  __m512 mold, mnew, a;
+  __mmask16 any;
+  ColSoftmax(const float* St, int64_t R, int nt, const int64_t* lim, int64_t t0, __m512 vsc,
+             const float* mrow) {
+    alignas(64) int32_t limv[16];
+    for (int m = 0; m < 16; ++m)
+      limv[m] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lim[m] - t0, 0), nt));
+    vlim = _mm512_load_si512(limv);
+    __m512 mx = _mm512_set1_ps(kNegInf);
+    for (int n = 0; n < nt; ++n) {
+      const __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
+      mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_mul_ps(_mm512_loadu_ps(St + n * R), vsc));
+    }
+    mold = _mm512_loadu_ps(mrow);
+    mnew = _mm512_max_ps(mold, mx);
+    any = _mm512_cmpgt_epi32_mask(vlim, _mm512_setzero_si512());
+    a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any, exp512(_mm512_sub_ps(mold, mnew)));
+  }
+  void finish(__m512 sum, float* mrow, float* lrow, float* alpha) const {
+    _mm512_storeu_ps(lrow, _mm512_fmadd_ps(_mm512_loadu_ps(lrow), a, sum));
+    _mm512_storeu_ps(mrow, _mm512_mask_mov_ps(mold, any, mnew));
+    _mm512_storeu_ps(alpha, a);
+  }
+};
+
 template <int kMode>
 struct Bf16Engine {
   static constexpr bool kDecode = kMode != kPlain;  // rows go through the Kd scratch tile
@@ -614,20 +646,9 @@ struct Bf16Engine {
                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i pidx = _mm512_load_si512(pair_idx);
     for (int v = 0; v < MV; ++v) {
-      alignas(64) int32_t limv[16];
-      for (int m = 0; m < 16; ++m)
-        limv[m] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lim[16 * v + m] - t0, 0), nt));
-      const __m512i vlim = _mm512_load_si512(limv);  // valid kv count per row in this tile
-      __m512 mx = _mm512_set1_ps(kNegInf);
-      for (int n = 0; n < nt; ++n) {
-        __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
-        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_mul_ps(_mm512_load_ps(St + n * R + 16 * v), vsc));
-      }
-      const __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
-      const __m512 mnew = _mm512_max_ps(mold, mx);
-      // rows without a valid column keep alpha = 1 (their m / l do not change)
-      const __mmask16 any = _mm512_cmpgt_epi32_mask(vlim, _mm512_setzero_si512());
-      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any, exp512(_mm512_sub_ps(mold, mnew)));
+      const ColSoftmax cs(St + 16 * v, R, nt, lim + 16 * v, t0, vsc, mrow + 16 * v);
+      const __m512i vlim = cs.vlim;
+      const __m512 mnew = cs.mnew;
       __m512 sum = _mm512_setzero_ps();
       for (int k = 0; k < npairs; ++k) {
         __m512 p2[2];
@@ -651,10 +672,7 @@ struct Bf16Engine {
           _mm512_storeu_si512(PP + k * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
         }
       }
-      const __m512 lold = _mm512_loadu_ps(lrow + 16 * v);
-      _mm512_storeu_ps(lrow + 16 * v, _mm512_fmadd_ps(lold, a, sum));
-      _mm512_storeu_ps(mrow + 16 * v, _mm512_mask_mov_ps(mold, any, mnew));
-      _mm512_storeu_ps(alpha + 16 * v, a);
+      cs.finish(sum, mrow + 16 * v, lrow + 16 * v, alpha + 16 * v);
     }
     pack_v(nt);
     for (int64_t c0 = 0; c0 < rp; c0 += 64) {
