@@ -17,6 +17,7 @@ import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
+from mla_backend.ops.native.engine import ENGINES, level_engines
 from mla_backend.testing.cases import make_case
 from mla_backend.testing.native_checks import ATTENTION_DTYPES
 from mla_backend.testing.native_checks import check_absorbed as _check
@@ -52,6 +53,7 @@ def _run_case(
     scale=None,
     garbage_table=False,
     strided=False,
+    engine=None,
 ):
     case = make_case(_dims(H, r, rope), prefix, new, page, dtype=qdt, cache_dtype=cdt, seed=seed)
     g = torch.Generator().manual_seed(seed + 1000)
@@ -72,7 +74,17 @@ def _run_case(
     kvl = torch.tensor(case.batch.kv_lens, dtype=torch.int32)
     scale = scale if scale is not None else 1.0 / math.sqrt(r + rope)
     o, lse = native.absorbed_attention(
-        q_lat, q_pe, case.kv_cache, bt, cu, kvl, scale, case.kv_scale, splits, isa=isa
+        q_lat,
+        q_pe,
+        case.kv_cache,
+        bt,
+        cu,
+        kvl,
+        scale,
+        case.kv_scale,
+        splits,
+        isa=isa,
+        engine=engine,
     )
     return case, q_lat, q_pe, scale, o, lse
 
@@ -99,6 +111,51 @@ def test_heads_and_pages(isa, H, page):
     ]:
         res = _run_case(isa, H, 40, 8, prefix, new, page, qdt, cdt, seed=H * 7 + page)
         _check(res[0], *res[1:4], *res[4:], qdt)
+
+
+# (H, r, rope, prefix, new, page, q dtype, cache dtype, splits): the AMX engine's edges (rows
+# per request at and around its 16-row threshold, past its 128-row blocks and not a multiple of
+# 16; D = r + rope a multiple of 32 (tiles read in place from 16-row pages) or not (gathered);
+# pages of 1, 16, 64; kv lengths around its 128-row tiles; fp8; splits), and layouts it leaves
+# to the vector engines (fp8_ds_mla, fp16 / fp32 q)
+ENGINE_CASES = [
+    (16, 512, 64, [0, 5, 37, 0, 64, 3], [1, 1, 4, 9, 1, 0], 16, torch.bfloat16, torch.bfloat16, 0),
+    (128, 512, 64, [127, 1000, 4000], [1, 3, 1], 16, torch.bfloat16, torch.bfloat16, 0),
+    (128, 512, 64, [300, 129], [2, 1], 64, torch.bfloat16, FP8, 3),
+    (9, 40, 8, [100, 7, 250], [20, 3, 1], 1, torch.bfloat16, torch.bfloat16, 0),
+    (15, 96, 32, [200, 50], [1, 17], 16, torch.bfloat16, torch.bfloat16, 2),
+    (32, 96, 32, [200, 50], [5, 17], 64, torch.bfloat16, FP8, 0),
+    (5, 33, 0, [60, 0, 16], [4, 30, 1], 16, torch.bfloat16, torch.bfloat16, 0),
+    (16, 64, 16, [700, 0], [1, 20], 16, torch.bfloat16, DS, 0),
+    (16, 64, 16, [700, 0], [1, 20], 16, torch.float16, torch.float16, 0),
+]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("case", ENGINE_CASES, ids=lambda c: f"H{c[0]}-r{c[1]}-{c[7]}")
+def test_every_engine_of_the_level(isa, engine, case):
+    """Each engine the level runs (whatever the rule picks by default), against float64."""
+    if engine not in level_engines(isa):
+        with pytest.raises(RuntimeError, match="engine"):
+            _run_case(isa, 1, 16, 4, [3], [1], 16, torch.bfloat16, torch.bfloat16, engine=engine)
+        return
+    H, r, rope, prefix, new, page, qdt, cdt, splits = case
+    res = _run_case(
+        isa,
+        H,
+        r,
+        rope,
+        prefix,
+        new,
+        page,
+        qdt,
+        cdt,
+        seed=H + r,
+        splits=splits,
+        garbage_table=True,
+        engine=engine,
+    )
+    _check(res[0], *res[1:4], *res[4:], qdt)
 
 
 @pytest.mark.parametrize("splits", [0, 1, 2, 3, 7, 100])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mla_backend.ops import native
-from mla_backend.ops.native import build
+from mla_backend.ops.native import build, engine
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 ALL_FLAGS = frozenset(
@@ -300,3 +300,35 @@ def test_aarch64_level_the_cpu_lacks_is_never_built(monkeypatch):
             assert native.available(lvl) is False
         reason = native.unavailable_reason(lvl)
         assert "this CPU lacks" in reason and lacks in reason, reason
+
+
+# ---- the engine rule (mla_backend.ops.native.engine) ----------------------------------------
+@pytest.mark.parametrize(
+    "vendor,want",
+    [
+        ("GenuineIntel", {"avx512_bf16": "fp32", "amx": "amx+fp32"}),
+        ("AuthenticAMD", {"avx512_bf16": "bf16", "amx": "amx+bf16"}),
+        ("", {"avx512_bf16": "fp32", "amx": "amx+fp32"}),
+    ],
+)
+def test_engine_rule_per_level_and_vendor(monkeypatch, vendor, want):
+    """bf16 dot products only where they outrun fp32 FMA (AMD); AMX tiles at level amx; the
+    fp32 engine below avx512_bf16 whatever the vendor."""
+    monkeypatch.delenv(engine.ENV_ENGINE, raising=False)
+    for lvl in native.ISA_LEVELS:
+        got = engine.attention_engine(lvl, vendor=vendor)
+        assert got == want.get(lvl, "fp32"), (lvl, got)
+        assert got in engine.level_engines(lvl)
+
+
+def test_engine_env_override_is_validated(monkeypatch):
+    monkeypatch.setenv(engine.ENV_ENGINE, "bf16")
+    assert engine.attention_engine("avx512_bf16", vendor="GenuineIntel") == "bf16"
+    with pytest.raises(ValueError, match="bf16.*avx512"):
+        engine.attention_engine("avx512")
+    monkeypatch.setenv(engine.ENV_ENGINE, "tiles")
+    with pytest.raises(ValueError, match="tiles"):
+        engine.attention_engine("amx")
+    with pytest.raises(ValueError, match="warp"):
+        engine.engine_code("warp")
+    assert [engine.engine_code(e) for e in engine.ENGINES] == [0, 1, 2, 3]

@@ -7,21 +7,27 @@
   ops under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
 - :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
 - :mod:`.kernels`: :class:`Kernels`, the :class:`mla_backend.ops.KernelImpl` over them;
+- :mod:`.engine`: which compute engine runs the absorbed attention, per level and CPU;
 - ``csrc/``: the C++ sources: ``vec.h`` (the vector layer: fp32 vectors of the level's width,
   AVX-512 / AVX2 + FMA + F16C / SVE / NEON / portable, with bf16 / fp16 / e4m3 widening
   loads and narrowing stores), ``attention_core.h`` (the torch-free attention and cache-row
-  cores over raw pointers, threads through a callback), ``mla_cpu.cpp`` (the torch layer:
-  checks, the ``torch.library`` registration), ``head_gemm.cpp`` / ``mha_prefill.cpp``
-  (absorption GEMMs, normal-path MHA).
+  cores over raw pointers, threads through a callback), ``amx_attention.h`` (its AMX-BF16
+  engine), ``amx_tiles.h`` (AMX tile configuration and OS permission), ``mla_cpu.cpp`` (the
+  torch layer: checks, the ``torch.library`` registration), ``head_gemm.cpp`` /
+  ``mha_prefill.cpp`` (absorption GEMMs, normal-path MHA).
 
-Engines per level: the fp32 engine (any q / cache dtype; widened tiles, fp32 FMAs) at every
-level over ``vec.h``; at ``avx512_bf16`` and ``amx`` bf16 queries use the bf16 engine
-(``vdpbf16ps``; the ``amx`` level has no tile code yet: it runs the ``avx512_bf16`` kernels).
+Engines of the absorbed attention (:mod:`.engine` holds the one rule that picks them per level
+and CPU, ``MLA_BACKEND_NATIVE_ENGINE`` overrides it): the fp32 engine (any q / cache dtype;
+widened tiles, fp32 FMAs) at every level over ``vec.h``; from ``avx512_bf16`` on, bf16 queries
+may use the bf16 engine (``vdpbf16ps``; picked where that instruction outruns fp32 FMA: AMD, not
+Intel); at ``amx`` requests of >= 16 query rows with a bf16 or fp8 cache run on AMX-BF16 tiles
+(``csrc/amx_attention.h``).
 
 Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items are
-(request, block of <= 32 query rows = new tokens x heads, kv split); each item streams its
-request's latent rows through the block table in tiles of 64 tokens, loading each tile once for
-both the scores (fp32) and P·V; online softmax in fp32; splits merged through their LSE.
+(request, block of <= 32 query rows = new tokens x heads -- 128 on the AMX engine --, kv
+split); each item streams its request's latent rows through the block table in tiles of 64
+tokens (AMX: 128), loading each tile once for both the scores (fp32) and P·V; online softmax in
+fp32; splits merged through their LSE.
 
 Cache layouts (:mod:`mla_backend.cache_layout`): bf16/fp16/fp32 (q's dtype), float8_e4m3fn with a
 per-tensor ``kv_scale``, and ``fp8_ds_mla`` (a uint8 cache: per token e4m3 c_kv in tiles of 128

@@ -71,7 +71,14 @@ __all__ = [
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
-_HEADERS = ("mla_cpu.h", "vec.h", "gemm_core.h", "attention_core.h")
+_HEADERS = (
+    "mla_cpu.h",
+    "vec.h",
+    "gemm_core.h",
+    "amx_tiles.h",
+    "attention_core.h",
+    "amx_attention.h",
+)
 _EXT_NAME = "mla_backend_native"
 ENV_ISA = "MLA_BACKEND_NATIVE_ISA"
 
@@ -408,6 +415,7 @@ def _register_fakes(ns: str) -> None:
         kv_scale=None,
         num_kv_splits=0,
         max_page_id=-1,
+        engine=-1,
     ):
         T, H, r = q_lat.shape
         return q_lat.new_empty((T, H, r)), q_lat.new_empty((T, H), dtype=torch.float32)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .build import _state, op_namespace, require
+from .engine import attention_engine, engine_code
 
 
 def simd_level(isa: str | None = None) -> str:
@@ -33,6 +34,7 @@ def absorbed_attention(
     max_page_id: int = -1,
     *,
     isa: str | None = None,
+    engine: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention (MQA over the paged latent cache), decode or extend.
 
@@ -53,6 +55,8 @@ def absorbed_attention(
         max_page_id: the largest page id any request uses (the plan's; checked in O(1)
             against the cache's page count), or -1: the op checks every used block_table entry.
         isa: the ISA level that runs it (None: the selected level).
+        engine: the compute engine (``ENGINES`` of :mod:`mla_backend.ops.native.engine`;
+            None: its rule's pick for the level and CPU, ``attention_engine``).
 
     Returns:
         o_lat: [T, H, r] in q's dtype; lse: [T, H] float32 (natural log).
@@ -60,7 +64,9 @@ def absorbed_attention(
     Query row j of request i sits at position kv_len_i - n_i + j and attends causally to kv
     positions 0 .. kv_len_i - n_i + j. Scores and softmax are fp32.
     """
-    return op_namespace(isa).native_absorbed_attention(
+    level = require(isa)
+    code = engine_code(attention_engine(level) if engine is None else engine)
+    return op_namespace(level).native_absorbed_attention(
         q_lat,
         q_pe,
         kv_cache,
@@ -71,6 +77,7 @@ def absorbed_attention(
         kv_scale,
         int(num_kv_splits),
         int(max_page_id),
+        code,
     )
 
 

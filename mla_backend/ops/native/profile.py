@@ -22,7 +22,9 @@ CPU_NATIVE_PROFILE = DeviceProfile(
 
 #: Level ``amx``: torch's AMX-backed bf16 GEMM and SDPA serve the normal path's big calls (the
 #: dispatch rule in :mod:`.kernels`), so the normal path is far cheaper there; the absorbed
-#: attention runs the avx512_bf16 engine. Peak: the AMX bf16 GEMM ceiling measured in the
+#: attention ran the avx512_bf16 engine when this was fitted (it now runs AMX tiles for >= 16
+#: query rows per request, :mod:`.engine`: faster, so these efficiencies are conservative for
+#: the absorbed side). Peak: the AMX bf16 GEMM ceiling measured in the
 #: decode benchmark (1.49 TFLOP/s, 2 threads); efficiencies and overhead fitted to
 #: ``python -m benchmarks policy`` at that level (2026-11-24, Xeon Sapphire Rapids class):
 #: 6 shapes at 16 heads (P 0/1024, N 32/128/512) plus the layer benchmark's fresh prefills

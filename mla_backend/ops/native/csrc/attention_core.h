@@ -54,6 +54,20 @@ constexpr int kPlain = 0;  // q's dtype
 constexpr int kFp8 = 1;    // float8_e4m3fn, one per-tensor scale
 constexpr int kDs = 2;     // fp8_ds_mla uint8 rows: e4m3 c_kv tiles, float32 tile scales, k_pe
 
+// Engines (absorbed_attention's `engine`, a bit set; the torch op passes the one the Python
+// rule picks, mla_backend/ops/native/engine.py):
+//   0                 F32Engine for every item;
+//   kEngineBf16       bf16 q: Bf16Engine (AVX512-BF16 builds) instead of F32Engine;
+//   kEngineAmx        bf16 q, bf16 or fp8 cache: AmxEngine (level amx, OS permission granted)
+//                     for requests with >= kAmxMinRows query rows, the others as above.
+constexpr int kEngineBf16 = 1;
+constexpr int kEngineAmx = 2;
+#ifdef MLA_AVX512BF16
+constexpr int kEngineDefault = kEngineBf16;  // a core caller that names none
+#else
+constexpr int kEngineDefault = 0;
+#endif
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
@@ -424,6 +438,65 @@ struct F32Engine {
 // tile scale before the bf16 rounding, one probability array per tile (a 64-column block of
 // the output lies in one tile). For fp8_ds_mla an odd r is padded to r2 = r + 1 with a zero
 // in both q and the decoded row, so that no bf16 pair mixes c_kv (scaled) with k_pe.
+// V tile -> VNNI pairs: Vp[(k * rp + c) * 2 + e] = rows[2k + e][c] for c < r (bf16), zeros
+// for c in [r, rp) and for the odd row past nt; k < ceil(nt / 2). rp: a multiple of 16.
+inline void pack_v_pairs(const uint16_t* const* rows, int nt, const uint16_t* zero, int64_t r,
+                         int64_t rp, uint16_t* Vp) {
+  const int npairs = (nt + 1) / 2;
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
+                                                  37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
+                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                  53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i vlo = _mm512_load_si512(lo_idx), vhi = _mm512_load_si512(hi_idx);
+  for (int k = 0; k < npairs; ++k) {
+    const uint16_t* a = rows[2 * k];
+    const uint16_t* b = (2 * k + 1 < nt) ? rows[2 * k + 1] : zero;
+    uint16_t* dst = Vp + static_cast<int64_t>(k) * 2 * rp;
+    for (int64_t c = 0; c < rp; c += 32) {
+      int64_t cnt = std::max<int64_t>(0, std::min<int64_t>(32, r - c));
+      __mmask32 msk = cnt >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << cnt) - 1);
+      __m512i va = _mm512_maskz_loadu_epi16(msk, a + c);
+      __m512i vb = _mm512_maskz_loadu_epi16(msk, b + c);
+      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(va, vlo, vb));
+      if (c + 16 < rp) _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(va, vhi, vb));
+    }
+  }
+}
+
+// The online-softmax bookkeeping of 16 query rows held in lanes (the engines whose scores come
+// out as S^T [kv][R]): St points at the rows' column in S^T (row stride R floats), lim at their
+// causal limits. The constructor finds the valid kv count per row in the tile (vlim), the new
+// running max (mnew) and the rescale factor alpha = exp(m_old - m_new) (1 for rows without a
+// valid column: their m / l do not change); finish() stores l = l alpha + sum, m and alpha.
+struct ColSoftmax {
+  __m512i vlim;
+  __m512 mold, mnew, a;
+  __mmask16 any;
+  ColSoftmax(const float* St, int64_t R, int nt, const int64_t* lim, int64_t t0, __m512 vsc,
+             const float* mrow) {
+    alignas(64) int32_t limv[16];
+    for (int m = 0; m < 16; ++m)
+      limv[m] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lim[m] - t0, 0), nt));
+    vlim = _mm512_load_si512(limv);
+    __m512 mx = _mm512_set1_ps(kNegInf);
+    for (int n = 0; n < nt; ++n) {
+      const __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
+      mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_mul_ps(_mm512_loadu_ps(St + n * R), vsc));
+    }
+    mold = _mm512_loadu_ps(mrow);
+    mnew = _mm512_max_ps(mold, mx);
+    any = _mm512_cmpgt_epi32_mask(vlim, _mm512_setzero_si512());
+    a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any, exp512(_mm512_sub_ps(mold, mnew)));
+  }
+  void finish(__m512 sum, float* mrow, float* lrow, float* alpha) const {
+    _mm512_storeu_ps(lrow, _mm512_fmadd_ps(_mm512_loadu_ps(lrow), a, sum));
+    _mm512_storeu_ps(mrow, _mm512_mask_mov_ps(mold, any, mnew));
+    _mm512_storeu_ps(alpha, a);
+  }
+};
+
 template <int kMode>
 struct Bf16Engine {
   static constexpr bool kDecode = kMode != kPlain;  // rows go through the Kd scratch tile
@@ -589,29 +662,7 @@ struct Bf16Engine {
       for (int v = 0; v < NV; ++v) _mm512_store_ps(St + (n0 + i) * R + 16 * v, acc[i][v]);
   }
 
-  void pack_v(int nt) {
-    const int npairs = (nt + 1) / 2;
-    alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5,
-                                                    37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
-                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
-                                                    53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
-                                                    27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-    const __m512i vlo = _mm512_load_si512(lo_idx), vhi = _mm512_load_si512(hi_idx);
-    for (int k = 0; k < npairs; ++k) {
-      const uint16_t* a = rows[2 * k];
-      const uint16_t* b = (2 * k + 1 < nt) ? rows[2 * k + 1] : zero;
-      uint16_t* dst = Vp + static_cast<int64_t>(k) * 2 * rp;
-      for (int64_t c = 0; c < rp; c += 32) {
-        int64_t cnt = std::min<int64_t>(32, r - c);
-        __mmask32 msk = cnt >= 32 ? 0xffffffffu : static_cast<__mmask32>((1ull << cnt) - 1);
-        __m512i va = _mm512_maskz_loadu_epi16(msk, a + c);
-        __m512i vb = _mm512_maskz_loadu_epi16(msk, b + c);
-        _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(va, vlo, vb));
-        if (c + 16 < rp) _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(va, vhi, vb));
-      }
-    }
-  }
+  void pack_v(int nt) { pack_v_pairs(rows, nt, zero, r, rp, Vp); }
 
   template <int MR, int NC>
   void pv_kernel(int m0, int64_t c0, int npairs, const uint32_t* PPt) {
@@ -666,20 +717,9 @@ struct Bf16Engine {
                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i pidx = _mm512_load_si512(pair_idx);
     for (int v = 0; v < MV; ++v) {
-      alignas(64) int32_t limv[16];
-      for (int m = 0; m < 16; ++m)
-        limv[m] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lim[16 * v + m] - t0, 0), nt));
-      const __m512i vlim = _mm512_load_si512(limv);  // valid kv count per row in this tile
-      __m512 mx = _mm512_set1_ps(kNegInf);
-      for (int n = 0; n < nt; ++n) {
-        __mmask16 valid = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32(n));
-        mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_mul_ps(_mm512_load_ps(St + n * R + 16 * v), vsc));
-      }
-      const __m512 mold = _mm512_loadu_ps(mrow + 16 * v);
-      const __m512 mnew = _mm512_max_ps(mold, mx);
-      // rows without a valid column keep alpha = 1 (their m / l do not change)
-      const __mmask16 any = _mm512_cmpgt_epi32_mask(vlim, _mm512_setzero_si512());
-      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), any, exp512(_mm512_sub_ps(mold, mnew)));
+      const ColSoftmax cs(St + 16 * v, R, nt, lim + 16 * v, t0, vsc, mrow + 16 * v);
+      const __m512i vlim = cs.vlim;
+      const __m512 mnew = cs.mnew;
       __m512 sum = _mm512_setzero_ps();
       for (int k = 0; k < npairs; ++k) {
         __m512 p2[2];
@@ -703,10 +743,7 @@ struct Bf16Engine {
           _mm512_storeu_si512(PP + k * R + 16 * v, _mm512_permutexvar_epi16(pidx, h));
         }
       }
-      const __m512 lold = _mm512_loadu_ps(lrow + 16 * v);
-      _mm512_storeu_ps(lrow + 16 * v, _mm512_fmadd_ps(lold, a, sum));
-      _mm512_storeu_ps(mrow + 16 * v, _mm512_mask_mov_ps(mold, any, mnew));
-      _mm512_storeu_ps(alpha + 16 * v, a);
+      cs.finish(sum, mrow + 16 * v, lrow + 16 * v, alpha + 16 * v);
     }
     pack_v(nt);
     for (int64_t c0 = 0; c0 < rp; c0 += 64) {
@@ -723,6 +760,32 @@ struct Bf16Engine {
   }
 };
 #endif  // MLA_AVX512BF16
+
+}  // namespace core
+}  // namespace mla_native
+#include "amx_attention.h"  // AmxEngine (level amx): uses the definitions above
+namespace mla_native {
+namespace core {
+
+// Whether the AMX engine can run here: compiled in (level amx) and tiles granted by the OS.
+inline bool amx_available() {
+#ifdef MLA_HAS_AMX
+  return mla_amx::amx_request_permission();
+#else
+  return false;
+#endif
+}
+
+// An engine's kv tile and rows per item: its kTile / kRows where it declares them, else
+// kTileN / kMaxRows.
+template <class E, class = void>
+struct EngineDims {
+  static constexpr int kTile = kTileN, kRows = kMaxRows;
+};
+template <class E>
+struct EngineDims<E, std::void_t<decltype(E::kTile), decltype(E::kRows)>> {
+  static constexpr int kTile = E::kTile, kRows = E::kRows;
+};
 
 // ---- one work item -----------------------------------------------------------------------
 template <typename QT, class Engine>
@@ -752,15 +815,16 @@ void run_item(const Params& P, const Item& it, Engine& E, int64_t* offs, float* 
     lrow[m] = 0.0f;
   }
   E.start_item(rows_pad);
+  constexpr int TN = EngineDims<Engine>::kTile;
   const int64_t kend = std::min<int64_t>(it.kv1, lim_max);
-  for (int64_t t0 = it.kv0; t0 < kend; t0 += kTileN) {
-    const int nt = static_cast<int>(std::min<int64_t>(kTileN, kend - t0));
+  for (int64_t t0 = it.kv0; t0 < kend; t0 += TN) {
+    const int nt = static_cast<int>(std::min<int64_t>(TN, kend - t0));
     if (t0 == it.kv0)
       for (int c = 0; c < nt; ++c) offs[c] = row_offset(P, i, t0 + c);
     E.load_tile(offs, nt);
     // the next tile's rows: offsets now, a prefetch into L2 while this tile computes
-    const int64_t t1 = t0 + kTileN;
-    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kTileN, kend - t1)));
+    const int64_t t1 = t0 + TN;
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TN, kend - t1)));
     for (int c = 0; c < nn; ++c) {
       offs[c] = row_offset(P, i, t1 + c);
       prefetch_row(P.cache + offs[c], P.row_bytes);
@@ -792,14 +856,16 @@ template <typename QT, class Engine>
 void run_items(const Params& P, const std::vector<Item>& items, const Parallel& par) {
   std::atomic<int64_t> next{0};
   const int64_t nitems = static_cast<int64_t>(items.size());
+  if (nitems == 0) return;
   const int64_t nthreads = std::min<int64_t>(par.threads, nitems);
   auto worker = [&](int64_t, int64_t) {
     Engine E(P);
-    float* mrow = tl_scratch.ml.get<float>(2 * kMaxRows);
-    float* lrow = mrow + kMaxRows;
-    int64_t* scratch = tl_scratch.misc.get<int64_t>(kTileN + kMaxRows);
+    constexpr int TN = EngineDims<Engine>::kTile, MR = EngineDims<Engine>::kRows;
+    float* mrow = tl_scratch.ml.get<float>(2 * MR);
+    float* lrow = mrow + MR;
+    int64_t* scratch = tl_scratch.misc.get<int64_t>(TN + MR);
     int64_t* offs = scratch;
-    int64_t* lim = scratch + kTileN;
+    int64_t* lim = scratch + TN;
     for (int64_t k; (k = next.fetch_add(1)) < nitems;)
       run_item<QT, Engine>(P, items[k], E, offs, mrow, lrow, lim);
   };
@@ -873,26 +939,34 @@ struct DsLayout {
 
 // ---- the whole call ------------------------------------------------------------------------
 // Checks P against b (validate: a refusal returns its message, nothing read or written), then
-// plans the work items of P's batch (request, block of <= kMaxRows query rows, kv split), runs
-// them over par and merges the splits. P.out [T, H, r] (q's dtype) and P.lse [T, H] are
-// written; P.part_o / P.part_lse are set here (a thread-local buffer). Returns "" on success.
+// plans the work items of P's batch (request, block of <= kMaxRows query rows -- kAmxRows for
+// AMX requests --, kv split), runs them over par on the engines `engine` names (kEngine*) and
+// merges the splits. P.out [T, H, r] (q's dtype) and P.lse [T, H] are written; P.part_o /
+// P.part_lse are set here (a thread-local buffer). The caller has checked that the build has
+// the engines it names (amx_available()). Returns "" on success.
 inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int mode,
-                                      int64_t num_kv_splits, const Parallel& par) {
+                                      int64_t num_kv_splits, const Parallel& par,
+                                      int engine = kEngineDefault) {
   if (std::string err = validate(P, b); !err.empty()) return err;
   if (b.T == 0) return {};
   const int64_t B = P.B, r = P.r;
   const bool ds = mode == kDs, fp8 = mode == kFp8;
+  const bool amx = (engine & kEngineAmx) && qdt == DType::kBF16 && !ds && amx_available();
+  // query rows per item of a request with `rows` rows
+  auto block_rows = [amx](int64_t rows) -> int64_t {
+    return amx && rows >= kAmxMinRows ? kAmxRows : kMaxRows;
+  };
   // ---- work items ----
   const int64_t nthreads = std::max<int64_t>(1, par.threads);
   int64_t total_work = 0;
   for (int64_t i = 0; i < B; ++i) {
     const int64_t n = P.cu[i + 1] - P.cu[i];
     if (n == 0) continue;
-    const int64_t nb = ceil_div(n * P.H, kMaxRows);
+    const int64_t nb = ceil_div(n * P.H, block_rows(n * P.H));
     total_work += nb * P.kvl[i];
   }
   const int64_t chunk = std::max<int64_t>(256, ceil_div(total_work, 4 * nthreads));
-  std::vector<Item> items;
+  std::vector<Item> items, amx_items;
   std::vector<std::pair<int64_t, int64_t>> split_reqs;
   int64_t part_rows = 0;
   for (int64_t i = 0; i < B; ++i) {
@@ -900,7 +974,8 @@ inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int 
     if (n == 0) continue;
     const int64_t L = P.kvl[i];
     const int64_t rows = n * P.H;
-    const int64_t nb = ceil_div(rows, kMaxRows);
+    const int64_t nb = ceil_div(rows, block_rows(rows));
+    std::vector<Item>& dst = amx && rows >= kAmxMinRows ? amx_items : items;
     const int64_t mb = ceil_div(rows, nb);
     int64_t ns = num_kv_splits > 0 ? num_kv_splits : ceil_div(L, chunk);
     ns = std::max<int64_t>(1, std::min<int64_t>({ns, ceil_div(L, kTileN), 256}));
@@ -925,12 +1000,12 @@ inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int 
         it.kv1 = static_cast<int32_t>(std::min(L, (s + 1) * len));
         it.part_off = poff;
         it.cost = (it.kv1 - it.kv0) * nr;
-        items.push_back(it);
+        dst.push_back(it);
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  for (auto* v : {&items, &amx_items})
+    std::stable_sort(v->begin(), v->end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   thread_local std::vector<float> part_buf;
   const size_t part_need = static_cast<size_t>(part_rows) * (r + 1);
@@ -940,15 +1015,22 @@ inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int 
 
   if (qdt == DType::kBF16) {
     using QT = vec::bf16_t;
+#ifdef MLA_HAS_AMX
+    if (fp8) run_items<QT, AmxEngine<kFp8>>(P, amx_items, par);
+    else run_items<QT, AmxEngine<kPlain>>(P, amx_items, par);
+#endif
 #ifdef MLA_AVX512BF16
-    if (ds) run_items<QT, Bf16Engine<kDs>>(P, items, par);
-    else if (fp8) run_items<QT, Bf16Engine<kFp8>>(P, items, par);
-    else run_items<QT, Bf16Engine<kPlain>>(P, items, par);
-#else
+    if (engine & kEngineBf16) {
+      if (ds) run_items<QT, Bf16Engine<kDs>>(P, items, par);
+      else if (fp8) run_items<QT, Bf16Engine<kFp8>>(P, items, par);
+      else run_items<QT, Bf16Engine<kPlain>>(P, items, par);
+      merge_splits<QT>(P, split_reqs, par);
+      return {};
+    }
+#endif
     if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items, par);
     else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items, par);
     else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items, par);
-#endif
     merge_splits<QT>(P, split_reqs, par);
   } else if (qdt == DType::kF16) {
     using QT = vec::fp16_t;

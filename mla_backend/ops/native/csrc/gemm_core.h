@@ -48,10 +48,7 @@
 #if defined(MLA_HAS_AVX2)
 #include <immintrin.h>
 #endif
-#if defined(MLA_HAS_AMX) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 #ifndef MLA_OPS_NS
 #define MLA_OPS_NS mla_backend  // the torch.library namespace of a build that names no level
@@ -283,46 +280,12 @@ inline void inner_rows(int M, const AElem* a, int64_t lda, int64_t kp0, int64_t 
 #undef MLA_INNER
 
 #if defined(MLA_HAS_AMX)
-// ---- AMX tiles ------------------------------------------------------------------------
-// The OS must grant the tile data state once per process (Linux: arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); returns whether tiles may be used.
-inline bool amx_request_permission() {
-#if defined(__linux__)
-  static const bool ok = [] {
-    constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXtileData = 18;
-    unsigned long bitmask = 0;
-    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) != 0) return false;
-    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &bitmask) != 0) return false;
-    return (bitmask & (1ul << kXtileData)) != 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+// ---- AMX tiles (configuration and OS permission: amx_tiles.h) --------------------------
+using mla_amx::amx_configure;
+using mla_amx::amx_request_permission;
 
 // Every tile 16 rows x 64 bytes: tmm0-3 C (fp32 16 x 16), tmm4-5 A (bf16 16 x 32), tmm6-7 B
-// (16 bf16 pairs x 16 columns). Loaded at each call: other code in the thread (oneDNN) may
-// have configured the tiles differently.
-inline void amx_configure() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
+// (16 bf16 pairs x 16 columns).
 // C rows [0, round_up(M, 16)) x ncols (+)= A x B over pairs [0, 16 * kchunks).
 inline void amx_gemm(const APanel& a, int64_t kchunks, const uint16_t* b, int64_t ldb,
                      int64_t ncols, float* c, int64_t ldc, bool accumulate) {

@@ -18,14 +18,18 @@
 // LSEs are merged by a second pass. Items are scheduled dynamically (largest first) over
 // torch.get_num_threads() workers.
 //
-// Two compute engines:
+// Three compute engines (the op's `engine` bit set picks; mla_backend/ops/native/engine.py
+// holds the rule that chooses it per CPU and level):
+//   * AmxEngine (level amx; q bf16, cache bf16 or fp8; requests of >= kAmxMinRows query rows):
+//     AMX-BF16 tiles for both matmuls, items of up to kAmxRows rows (amx_attention.h).
 //   * Bf16Engine (AVX512-BF16; q bf16, cache bf16 or fp8): scores with vdpbf16ps over the
 //     row dimension (4 query rows x 4 kv rows register block, tree reduction), P.V with the
 //     tile repacked pairwise (VNNI) and probabilities rounded to bf16, fp32 accumulators.
 //     fp8 rows are decoded to bf16 exactly (e4m3 fits in bf16) and the scale is folded into
 //     the score scale and the output, so no precision is lost to dequantisation.
-//   * F32Engine (everything else: fp16/fp32 q, or no AVX512-BF16): the tile converted to
-//     fp32, fp32 dot products and fp32 P.V.
+//   * F32Engine (fp16/fp32 q, and bf16 q where the rule prefers it: CPUs whose vdpbf16ps
+//     gives fewer FLOPs than their fp32 FMA): the tile converted to fp32, fp32 dot products
+//     and fp32 P.V.
 // fp8_ds_mla rows (uint8: e4m3 c_kv in tiles of 128, a float32 scale per tile, k_pe in q's
 // dtype) are read in place: the bf16 engine sums scale_t * (q_tile . e4m3_tile) + q_pe . k_pe
 // and multiplies each probability by its row's tile scale before P.V (per 128-column tile);
@@ -68,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
     const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, const at::Tensor& kv_cache,
     const at::Tensor& block_table_in, const at::Tensor& cu_in, const at::Tensor& kv_lens_in,
     double softmax_scale, const c10::optional<at::Tensor>& kv_scale, int64_t num_kv_splits,
-    int64_t max_page_id) {
+    int64_t max_page_id, int64_t engine) {
   TORCH_CHECK(q_lat_in.device().is_cpu() && q_pe_in.device().is_cpu() && kv_cache.device().is_cpu(),
               "mla native absorbed_attention: tensors must be on the CPU, got q_lat on ",
               q_lat_in.device(), ", kv_cache on ", kv_cache.device());
@@ -106,6 +110,15 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   TORCH_CHECK(softmax_scale > 0.0 && std::isfinite(softmax_scale), "softmax_scale ", softmax_scale,
               " must be a finite positive number");
   TORCH_CHECK(num_kv_splits >= 0, "num_kv_splits=", num_kv_splits, " must be >= 0 (0 = automatic)");
+  if (engine < 0) engine = kEngineDefault;
+  TORCH_CHECK(engine <= (kEngineBf16 | kEngineAmx), "engine=", engine,
+              " is not supported; use a bit set of 1 (AVX512-BF16 engine) and 2 (AMX engine)");
+#ifndef MLA_AVX512BF16
+  TORCH_CHECK(!(engine & kEngineBf16), "engine=", engine,
+              ": this level's build has no AVX512-BF16 engine (levels avx512_bf16 and amx do)");
+#endif
+  TORCH_CHECK(!(engine & kEngineAmx) || amx_available(), "engine=", engine,
+              ": the AMX engine needs level amx and the OS's permission to use AMX tiles");
   at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
   at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
 
@@ -173,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   const Bounds bounds{T, bt.size(0), bt.size(1), max_page_id};
   const std::string err = core::absorbed_attention(P, bounds, dtype_of(qdt),
                                                    ds ? kDs : (fp8 ? kFp8 : kPlain), num_kv_splits,
-                                                   torch_parallel());
+                                                   torch_parallel(), static_cast<int>(engine));
   TORCH_CHECK(err.empty(), err);  // a refused index: nothing was read
   return {out, lse};
 }
@@ -285,7 +298,7 @@ TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def(
       "native_absorbed_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_lens, float softmax_scale, Tensor? kv_scale=None, "
-      "int num_kv_splits=0, int max_page_id=-1) -> (Tensor, Tensor)");
+      "int num_kv_splits=0, int max_page_id=-1, int engine=-1) -> (Tensor, Tensor)");
   m.def(
       "native_write_latent(Tensor(a!) kv_cache, Tensor c_kv, Tensor k_pe, Tensor slot_mapping, "
       "Tensor? kv_scale=None) -> ()");

@@ -1,0 +1,106 @@
+"""The one rule that picks the compute engine of the native absorbed attention, per ISA level and
+CPU (the op's ``engine`` argument; the engines are in ``csrc/attention_core.h`` and
+``csrc/amx_attention.h``).
+
+Engines (names, and the op's bit set):
+
+- ``fp32`` (0): the fp32 engine (tiles widened to fp32, fp32 FMAs), every level and dtype;
+- ``bf16`` (1): bf16 queries on the AVX512-BF16 engine (``vdpbf16ps``), levels
+  ``avx512_bf16`` / ``amx``;
+- ``amx+fp32`` (2) / ``amx+bf16`` (3): level ``amx``: requests of >= 16 query rows (heads x new
+  tokens) with bf16 queries and a bf16 or fp8 cache on AMX-BF16 tiles; the other work on the
+  vector engine named after the ``+``.
+
+The rule (:func:`attention_engine`): ``fp32`` below ``avx512_bf16``; from there the vector engine
+is ``bf16`` only where ``vdpbf16ps`` gives more FLOPs per cycle than fp32 FMA, which is a property
+of the core, told apart by the CPU vendor:
+
+- Intel (Sapphire Rapids class, measured here with ``benchmarks/micro/dot_throughput.cpp``: one
+  ``vdpbf16ps zmm`` per ~2 cycles, 72 GFLOP/s per core, vs two ``vfmadd231ps zmm`` per cycle,
+  145-185 GFLOP/s; the fp32 engine decoded H128 B1 kv4K in 8.4 ms vs 11.5 ms): ``fp32``;
+- AMD (Zen 4 / 5: ``vdpbf16ps zmm`` issues once per cycle, 64 FLOP, twice the 32 FLOP of a
+  512-bit FMA on its 256-bit FMA pipes, per AMD's and uops.info's instruction tables; the bf16
+  engine ran at 73-114% of the roofline on Zen 4): ``bf16``;
+- any other vendor: ``fp32`` (the engine that needs no bf16 dot-product throughput).
+
+Level ``amx`` adds the AMX engine in front of that vector engine. ``MLA_BACKEND_NATIVE_ENGINE``
+(one of :data:`ENGINES`) overrides the rule, for tests and measurements; a value the level cannot
+run raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from .build import AARCH64_LEVELS, X86_LEVELS
+
+__all__ = [
+    "ENGINES",
+    "ENV_ENGINE",
+    "attention_engine",
+    "cpu_vendor",
+    "engine_code",
+    "level_engines",
+]
+
+#: engine name -> the op's bit set (1: AVX512-BF16 vector engine, 2: AMX engine)
+ENGINES: dict[str, int] = {"fp32": 0, "bf16": 1, "amx+fp32": 2, "amx+bf16": 3}
+ENV_ENGINE = "MLA_BACKEND_NATIVE_ENGINE"
+
+#: CPU vendors whose vdpbf16ps outruns their fp32 FMA (``/proc/cpuinfo`` vendor_id)
+_BF16_DOT_VENDORS = frozenset({"AuthenticAMD"})
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """``vendor_id`` of ``/proc/cpuinfo`` ('' where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def level_engines(isa: str) -> tuple[str, ...]:
+    """The engines level ``isa``'s build can run (its CPU permitting): the vector engines of
+    ``avx512_bf16``, those plus AMX at ``amx``, the fp32 engine at every other level (x86 or
+    aarch64)."""
+    if isa not in X86_LEVELS and isa not in AARCH64_LEVELS:
+        raise ValueError(
+            f"ISA level {isa!r} is not supported; use one of {X86_LEVELS + AARCH64_LEVELS[1:]}"
+        )
+    if isa == "amx":
+        return tuple(ENGINES)
+    if isa == "avx512_bf16":
+        return ("fp32", "bf16")
+    return ("fp32",)
+
+
+def attention_engine(isa: str, vendor: str | None = None) -> str:
+    """The engine the native absorbed attention uses at level ``isa`` on this CPU (or on a CPU of
+    ``vendor``): ``MLA_BACKEND_NATIVE_ENGINE`` when set, else the rule of this module."""
+    runnable = level_engines(isa)
+    forced = os.environ.get(ENV_ENGINE, "").strip()
+    if forced:
+        if forced not in runnable:
+            raise ValueError(
+                f"{ENV_ENGINE}={forced!r} is not supported at ISA level {isa!r}; use one of "
+                f"{runnable}"
+            )
+        return forced
+    if len(runnable) == 1:
+        return "fp32"
+    vec = "bf16" if (cpu_vendor() if vendor is None else vendor) in _BF16_DOT_VENDORS else "fp32"
+    return f"amx+{vec}" if isa == "amx" else vec
+
+
+def engine_code(engine: str) -> int:
+    """The op's ``engine`` bit set of an engine name (:data:`ENGINES`)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not supported; use one of {tuple(ENGINES)}")
+    return ENGINES[engine]
