@@ -62,8 +62,11 @@ constexpr int kDs = 2;     // fp8_ds_mla uint8 rows: e4m3 c_kv tiles, float32 ti
 //                     for requests with >= kAmxMinRows query rows, the others as above.
 constexpr int kEngineBf16 = 1;
 constexpr int kEngineAmx = 2;
-#ifdef MLA_AVX512BF16
-constexpr int kEngineDefault = kEngineBf16;  // a core caller that names none
+// a core caller that names none (the core harness) gets every engine the build has
+#if defined(MLA_HAS_AMX)
+constexpr int kEngineDefault = kEngineBf16 | kEngineAmx;
+#elif defined(MLA_AVX512BF16)
+constexpr int kEngineDefault = kEngineBf16;
 #else
 constexpr int kEngineDefault = 0;
 #endif
