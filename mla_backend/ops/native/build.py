@@ -57,7 +57,7 @@ __all__ = [
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
-_HEADERS = ("mla_cpu.h", "vec.h", "gemm_core.h")
+_HEADERS = ("mla_cpu.h", "vec.h", "gemm_core.h", "attention_core.h")
 _EXT_NAME = "mla_backend_native"
 ENV_ISA = "MLA_BACKEND_NATIVE_ISA"
 
