@@ -39,21 +39,20 @@ def vllm_ops() -> Any | None:
     ``CpuPlatform.import_kernels``); where torch is capped at AVX2 (:func:`imitates_avx2`) that
     check answers False while the library loads, so vLLM loads ``_C_AVX2``, the library an
     AVX2-only CPU runs."""
-    try:
+    real = torch.cpu._is_avx512_supported
+    if imitates_avx2():
+        torch.cpu._is_avx512_supported = lambda: False
+    try:  # (importing _custom_ops already loads the kernels)
         from vllm import _custom_ops as ops
         from vllm.platforms import current_platform
 
-        real = torch.cpu._is_avx512_supported
-        if imitates_avx2():
-            torch.cpu._is_avx512_supported = lambda: False
-        try:
-            current_platform.import_kernels()
-        finally:
-            torch.cpu._is_avx512_supported = real
+        current_platform.import_kernels()
         torch.ops._C.mla_decode_kvcache  # noqa: B018  (raises when the kernels are missing)
         return ops
     except Exception:
         return None
+    finally:
+        torch.cpu._is_avx512_supported = real
 
 
 def library_note() -> str:
