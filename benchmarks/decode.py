@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                 t = res["times"]
                 ms = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items())
                 print(f"H{H} B{B} L{L}: {ms}", flush=True)
-    kernels = list(results[0][1]["times"]) if results else []
+    kernels: list[str] = []  # every kernel of any shape (the torch path skips large ones)
+    for _, res in results:
+        kernels += [k for k in res["times"] if k not in kernels]
     header = ["H", "batch", "kv", "peak TF/s", "bw GB/s"] + [f"{k} ms (roof)" for k in kernels]
     others = [k for k in ("CPU_MLA bf16", "AMX_MLA bf16", "torch bf16") if k in kernels]
     header += [f"{o.split()[0]} / ours {isa}" for o in others for isa in isas]
@@ -134,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         t, peak, bw = res["times"], res["peak"], res["bw"]
         row = [str(H), str(B), str(L), f"{peak / 1e12:.3f} {res['gemm']}", f"{bw / 1e9:.1f}"]
         for k in kernels:
+            if k not in t:
+                row.append("-")
+                continue
             f, nb = flops_bytes(H, B, L, k.rsplit(" ", 1)[1])
             pk = min(peak, ceilings[k.split()[1]]) if k.startswith("ours") else peak
             row.append(f"{t[k] * 1e3:.3f} ({harness.roof_fraction(f, nb, t[k], pk, bw):.0%})")
             points.setdefault(k, []).append((f / nb, f / t[k]))
-        row += [f"{t[o] / t[f'ours {isa} bf16']:.2f}x" for o in others for isa in isas]
+        row += [f"{t[o] / t[f'ours {isa} bf16']:.2f}x" if o in t else "-"
+                for o in others for isa in isas]  # fmt: skip
         rows.append(row)
     peaks = [r["peak"] for _, r in results]
     bws = [r["bw"] for _, r in results]

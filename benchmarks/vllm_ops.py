@@ -26,9 +26,23 @@ from mla_backend.testing.vllm_backends import amx_mla_unavailable
 Fn = Callable[[], torch.Tensor]
 
 
+def imitates_avx2() -> bool:
+    """True where torch's own kernels are capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2``) on a CPU
+    with AVX-512: an AVX2-only CPU imitated on an AVX-512 host."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and torch.cpu._is_avx512_supported()
+
+
 def vllm_ops() -> Any | None:
-    """``vllm._custom_ops`` (its CPU kernels loaded), or None outside the vLLM environment."""
-    try:
+    """``vllm._custom_ops`` (its CPU kernels loaded), or None outside the vLLM environment.
+
+    vLLM picks its kernel library by ``torch.cpu._is_avx512_supported()`` (the CPU's flags:
+    ``CpuPlatform.import_kernels``); where torch is capped at AVX2 (:func:`imitates_avx2`) that
+    check answers False while the library loads, so vLLM loads ``_C_AVX2``, the library an
+    AVX2-only CPU runs."""
+    real = torch.cpu._is_avx512_supported
+    if imitates_avx2():
+        torch.cpu._is_avx512_supported = lambda: False
+    try:  # (importing _custom_ops already loads the kernels)
         from vllm import _custom_ops as ops
         from vllm.platforms import current_platform
 
@@ -37,12 +51,27 @@ def vllm_ops() -> Any | None:
         return ops
     except Exception:
         return None
+    finally:
+        torch.cpu._is_avx512_supported = real
+
+
+def library_note() -> str:
+    """Which of vLLM's CPU kernel libraries this process loaded (from its memory map)."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1].rsplit("/", 1)[-1] for line in f if "vllm/_C" in line}
+    except OSError:
+        return "vLLM kernel library: unknown"
+    return "vLLM kernel library: " + (", ".join(sorted(libs)) or "none loaded")
 
 
 def amx_mla_runs(ops: Any | None) -> bool:
     """True where AMX_MLA's kernels are loaded and this CPU runs them."""
-    return ops is not None and amx_mla_unavailable() is None and hasattr(
-        torch.ops._C, "decode_attention_cpu"
+    return (
+        ops is not None
+        and amx_mla_unavailable() is None
+        and not imitates_avx2()
+        and hasattr(torch.ops._C, "decode_attention_cpu")
     )
 
 
@@ -51,7 +80,9 @@ def peer_notes(ops: Any | None, amx: bool, cpu_mla: str, amx_mla: str) -> list[s
     if ops is None:
         return ["vLLM not importable here: no CPU_MLA / AMX_MLA columns"]
     why = amx_mla_unavailable() or "its kernels are not loaded"
-    return [f"CPU_MLA = {cpu_mla}",
+    if imitates_avx2():
+        why = "torch capped at AVX2 (an AVX2-only CPU imitated), where vLLM loads _C_AVX2"
+    return [f"CPU_MLA = {cpu_mla} ({library_note()})",
             f"AMX_MLA = {amx_mla}" if amx else f"AMX_MLA: {why} (no column)"]  # fmt: skip
 
 
