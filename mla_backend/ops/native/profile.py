@@ -38,11 +38,30 @@ CPU_NATIVE_AMX_PROFILE = DeviceProfile(
     normal_overhead=0.3e-3,
 )
 
+#: Level ``avx2`` (an AVX2 + FMA CPU without AVX-512 or bf16 dot products; every op of both paths
+#: native, fp32 FMA on bf16 widened in registers): peak = the level's GEMM ceiling (fp32 GEMM,
+#: 0.138 TFLOP/s at 2 threads, ``benchmarks/results/decode-history.md``); efficiencies and
+#: overhead fitted to ``python -m benchmarks policy`` at that level with torch capped at AVX2
+#: (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, 2026-11-24, Xeon Sapphire Rapids class
+#: imitating an AVX2-only CPU, load average ~7): 12 shapes (H 16/128, P 0/1024, N 32/128/512),
+#: all picked right (the avx512_bf16 fit it had: 10/12, H16 fresh and onto 1K at 512 new tokens
+#: went normal at 1.3-1.5x the absorbed time). The normal path is slower here relative to the
+#: absorbed one than on AVX512-BF16 (its MHA has no bf16 dot products): fresh prefills go normal
+#: from ~200 new tokens at 128 heads, ~600 at 16.
+CPU_NATIVE_AVX2_PROFILE = DeviceProfile(
+    peak_flops=0.138e12,
+    bandwidth=7.8e9,
+    absorbed_efficiency=1.2,
+    attn_efficiency=0.5,
+    cache_bytes=32 * 2**20,
+    normal_overhead=10e-3,
+)
+
 #: profile by ISA level of the native build (None: the level the loader picked)
 PROFILES: dict[str | None, DeviceProfile] = {
     None: CPU_NATIVE_PROFILE,
     "fp32": CPU_NATIVE_PROFILE,
-    "avx2": CPU_NATIVE_PROFILE,
+    "avx2": CPU_NATIVE_AVX2_PROFILE,
     "avx512": CPU_NATIVE_PROFILE,
     "avx512_bf16": CPU_NATIVE_PROFILE,
     "amx": CPU_NATIVE_AMX_PROFILE,
