@@ -1,10 +1,14 @@
 """The native implementation's cost profile for the policy, per ISA level of its kernels.
 
-Measured on the project's CPUs (2 threads): the absorbed attention and, for bf16, the normal
-path's MHA run near the machine's peak, the normal path paying a fixed per-request cost (fitted
-to the policy benchmark, ``benchmarks/results/policy-history.md``: fresh prefills of >= ~128-192
-tokens go normal). Levels other than ``amx`` keep that avx512_bf16 fit (2026-11-23, AMD Zen 4)
-until each is refitted on its own build.
+Each profile is a roofline (:class:`~mla_backend.cost.DeviceProfile`) whose peak is the level's
+own GEMM ceiling and whose efficiencies and per-request normal-path overhead are fitted to
+``python -m benchmarks policy`` run at that level (``benchmarks/results/policy-history.md``):
+
+- default (``fp32``, ``avx512``, ``avx512_bf16``, unlisted levels): the avx512_bf16 fit
+  (2026-11-23, AMD Zen 4, bf16 MHA on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go
+  normal), kept until each of those levels is refitted on its own build;
+- ``avx2``: :data:`CPU_NATIVE_AVX2_PROFILE` (2026-11-24, Xeon SPR class with torch capped at AVX2);
+- ``amx``: :data:`CPU_NATIVE_AMX_PROFILE` (2026-11-24, Xeon SPR class).
 """
 
 from __future__ import annotations
