@@ -8,7 +8,9 @@ own GEMM ceiling and whose efficiencies and per-request normal-path overhead are
   (2026-11-23, AMD Zen 4, bf16 MHA on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go
   normal), kept until each of those levels is refitted on its own build;
 - ``avx2``: :data:`CPU_NATIVE_AVX2_PROFILE` (2026-11-24, Xeon SPR class with torch capped at AVX2);
-- ``amx``: :data:`CPU_NATIVE_AMX_PROFILE` (2026-11-24, Xeon SPR class).
+- ``amx``: :data:`CPU_NATIVE_AMX_PROFILE` (2026-11-24, Xeon SPR class, AMX attention engine).
+- ``avx512`` (the fp32 engine) was checked on that Xeon (2026-11-24 10:33Z): the default
+  profile picks 12/12 of H 16/128, P 0/1024, N 32/128/512 right.
 """
 
 from __future__ import annotations
@@ -25,18 +27,19 @@ CPU_NATIVE_PROFILE = DeviceProfile(
 )
 
 #: Level ``amx``: torch's AMX-backed bf16 GEMM and SDPA serve the normal path's big calls (the
-#: dispatch rule in :mod:`.kernels`), so the normal path is far cheaper there; the absorbed
-#: attention ran the avx512_bf16 engine when this was fitted (it now runs AMX tiles for >= 16
-#: query rows per request, :mod:`.engine`: faster, so these efficiencies are conservative for
-#: the absorbed side). Peak: the AMX bf16 GEMM ceiling measured in the
-#: decode benchmark (1.49 TFLOP/s, 2 threads); efficiencies and overhead fitted to
-#: ``python -m benchmarks policy`` at that level (2026-11-24, Xeon Sapphire Rapids class):
-#: 6 shapes at 16 heads (P 0/1024, N 32/128/512) plus the layer benchmark's fresh prefills
-#: (16 x 1024, 128 x 512), all picked right (the old profile: 3/6).
+#: dispatch rule in :mod:`.kernels`), and the absorbed attention runs AMX tiles for >= 16 query
+#: rows per request (:mod:`.engine`). Peak: the AMX bf16 GEMM ceiling measured in the decode
+#: benchmark (1.49 TFLOP/s, 2 threads). Refitted 2026-11-24 10:35Z (Xeon Sapphire Rapids class,
+#: load average 3.2-4.4) to ``python -m benchmarks policy`` at that level, 24 shapes (H 16/128,
+#: P 0/1024, N 32-2048, 3-5 interleaved rounds): 23/24 right (the miss: H128 P1024 N1024,
+#: absorbed 418 vs normal 538 ms); the fit it replaces (absorbed_efficiency 0.3, from before the
+#: AMX attention engine) picked 7/12 of the N 32-512 shapes right. The absorbed path is now
+#: ~6x cheaper: fresh prefills go normal from ~160 (128 heads) / ~440 (16 heads) new tokens,
+#: extends onto a 1K prefix from ~700.
 CPU_NATIVE_AMX_PROFILE = DeviceProfile(
     peak_flops=1.5e12,
     bandwidth=7.8e9,
-    absorbed_efficiency=0.3,
+    absorbed_efficiency=2.0,
     attn_efficiency=0.8,
     cache_bytes=32 * 2**20,
     normal_overhead=0.3e-3,
