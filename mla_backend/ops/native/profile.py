@@ -49,19 +49,20 @@ CPU_NATIVE_AMX_PROFILE = DeviceProfile(
 #: native, fp32 FMA on bf16 widened in registers): peak = the level's GEMM ceiling (fp32 GEMM,
 #: 0.138 TFLOP/s at 2 threads, ``benchmarks/results/decode-history.md``); efficiencies and
 #: overhead fitted to ``python -m benchmarks policy`` at that level with torch capped at AVX2
-#: (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, 2026-11-24, Xeon Sapphire Rapids class
-#: imitating an AVX2-only CPU, load average ~7): 12 shapes (H 16/128, P 0/1024, N 32/128/512),
-#: all picked right (the avx512_bf16 fit it had: 10/12, H16 fresh and onto 1K at 512 new tokens
-#: went normal at 1.3-1.5x the absorbed time). The normal path is slower here relative to the
-#: absorbed one than on AVX512-BF16 (its MHA has no bf16 dot products): fresh prefills go normal
-#: from ~200 new tokens at 128 heads, ~600 at 16.
+#: (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, 2026-11-24 10:36Z, Xeon Sapphire Rapids
+#: class imitating an AVX2-only CPU, load average 1.8-1.9, 3-5 interleaved rounds): 24 shapes
+#: (H 16/128, P 0/1024, N 32-1024), 23 right (the miss: H128 fresh 128, absorbed 49 vs normal
+#: 54 ms); the avx512_bf16 fit it had picked 10/12 right. (A fit to runs at load ~7, absorbed
+#: 1.2 / attn 0.5 / overhead 10 ms, was a load artifact: many small parallel ops of the normal
+#: path wait on descheduled threads.) Fresh prefills go normal from ~70 (128 heads) / ~200 (16
+#: heads) new tokens, extends onto a 1K prefix from ~300.
 CPU_NATIVE_AVX2_PROFILE = DeviceProfile(
     peak_flops=0.138e12,
     bandwidth=7.8e9,
-    absorbed_efficiency=1.2,
-    attn_efficiency=0.5,
+    absorbed_efficiency=1.5,
+    attn_efficiency=1.0,
     cache_bytes=32 * 2**20,
-    normal_overhead=10e-3,
+    normal_overhead=2e-3,
 )
 
 #: profile by ISA level of the native build (None: the level the loader picked)
