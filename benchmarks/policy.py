@@ -2,7 +2,10 @@
 new tokens onto P cached ones, time the absorbed path and the normal path side by side (full
 paths, including the absorption bmms / the decompression) and report which one the cost model picks.
 
-    python -m benchmarks policy [--heads 128,16] [--quick]
+    python -m benchmarks policy [--heads 128,16] [--rounds 3] [--quick]
+
+The two paths are timed interleaved (``harness.interleaved``: best of ``--rounds`` rounds, each
+round times both), so a load change between them shows in both.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 import mla_backend as mb
 
 from . import harness
-from .harness import best_time, write_result
+from .harness import interleaved, write_result
 from .problems import paged_latents, random_weights
 
 DT = torch.bfloat16
@@ -27,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="128,16")
     ap.add_argument("--prefix", default="0,1024,4096")
     ap.add_argument("--new", default="16,64,128,256,512,1024")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     prefixes = [0, 1024] if args.quick else [int(x) for x in args.prefix.split(",")]
@@ -46,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                 qp = torch.randn(N, h, 64, generator=g).to(DT)
                 pa = mb.plan(b, dims, mb.Policy("absorb"))
                 pn = mb.plan(b, dims, mb.Policy("normal"))
-                ta = best_time(functools.partial(attn, qn, qp, cache, pa), repeat=3)
-                tn = best_time(functools.partial(attn, qn, qp, cache, pn), repeat=3)
+                t = interleaved({"absorbed": functools.partial(attn, qn, qp, cache, pa),
+                                 "normal": functools.partial(attn, qn, qp, cache, pn)},
+                                args.rounds, 0.05)  # fmt: skip
+                ta, tn = t["absorbed"], t["normal"]
                 picked = mb.plan(b, dims, policy).mode
                 faster = "absorbed" if ta <= tn else "normal"
                 close = abs(ta - tn) / min(ta, tn) < 0.1  # within noise: either is right

@@ -104,9 +104,8 @@ def test_native_profile_crossover(dims: mb.MLADims) -> None:
 @pytest.mark.parametrize("dims", [DEEPSEEK, LITE], ids=["deepseek", "lite"])
 def test_every_level_profile_is_sane(level: str, dims: mb.MLADims) -> None:
     """Each ISA level's profile: decodes and 16-token extends onto a long prefix stay
-    absorbed, a 2K fresh prefill goes normal, one switch per prefix length. (At ``amx`` the
-    switch onto a 1K prefix comes before the fresh one: measured, 32 new tokens onto 1024
-    run 5.6 ms normal vs 6.1 ms absorbed, fresh 1.5 vs 0.7.)"""
+    absorbed, a 2K fresh prefill goes normal (measured at avx2 under the AVX2 cap and at amx:
+    benchmarks/results/policy-latest.md), one switch per prefix length."""
     profile = PROFILES[level]
     for prefix in (4000, 16384):
         for new in (1, 16):

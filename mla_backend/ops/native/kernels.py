@@ -8,6 +8,7 @@ normal path's cache reads from the shared helpers (:mod:`mla_backend.ops.paged`)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -31,6 +32,17 @@ if TYPE_CHECKING:
 #: rows (tokens of a GEMM, query rows x heads of an MHA) from which torch's AMX-backed bf16 ops
 #: serve a call at level ``amx`` (:meth:`Kernels._torch_bf16_is_faster`)
 AMX_TORCH_MIN_ROWS = 256
+
+
+def torch_bf16_on_amx() -> bool:
+    """Whether torch's own bf16 GEMM and SDPA can reach AMX tiles in this process: torch's
+    kernels run at capability ``AVX512`` (not capped by ``ATEN_CPU_CAPABILITY``) and oneDNN is
+    not capped below AMX (``ONEDNN_MAX_CPU_ISA`` unset, ``ALL``/``DEFAULT`` or an ``*AMX*`` ISA).
+    Capped (an AVX2-only CPU imitated), torch's bf16 GEMM runs at ~1 GFLOP/s."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return onednn in ("", "ALL", "DEFAULT") or "AMX" in onednn
 
 
 class Kernels:
@@ -64,9 +76,10 @@ class Kernels:
         ``amx``) torch's bf16 GEMM and SDPA run on AMX through oneDNN and beat our kernels from
         :data:`AMX_TORCH_MIN_ROWS` rows on (measured, ``python -m benchmarks gemm``: head GEMM
         at 512 rows 1.0 vs 2.5 ms, MHA 1.25-1.37x, decompression 41 vs 51 ms per 4K tokens);
-        at every other level our kernels are the fast ones (torch's bf16 GEMM without bf16
-        dot products runs at ~1 GFLOP/s)."""
-        return self.level == "amx" and rows >= AMX_TORCH_MIN_ROWS
+        at every other level, and at ``amx`` when torch itself is capped below AMX
+        (:func:`torch_bf16_on_amx`), our kernels are the fast ones (torch's bf16 GEMM without
+        bf16 dot products runs at ~1 GFLOP/s: a normal prefill took 19 s instead of 0.3)."""
+        return self.level == "amx" and rows >= AMX_TORCH_MIN_ROWS and torch_bf16_on_amx()
 
     def __repr__(self) -> str:
         return f"ops.native.Kernels(isa={self.isa!r}, num_kv_splits={self.num_kv_splits})"

@@ -1,10 +1,16 @@
 """The native implementation's cost profile for the policy, per ISA level of its kernels.
 
-Measured on the project's CPUs (2 threads): the absorbed attention and, for bf16, the normal
-path's MHA run near the machine's peak, the normal path paying a fixed per-request cost (fitted
-to the policy benchmark, ``benchmarks/results/policy-history.md``: fresh prefills of >= ~128-192
-tokens go normal). Levels other than ``amx`` keep that avx512_bf16 fit (2026-11-23, AMD Zen 4)
-until each is refitted on its own build.
+Each profile is a roofline (:class:`~mla_backend.cost.DeviceProfile`) whose peak is the level's
+own GEMM ceiling and whose efficiencies and per-request normal-path overhead are fitted to
+``python -m benchmarks policy`` run at that level (``benchmarks/results/policy-history.md``):
+
+- default (``fp32``, ``avx512``, ``avx512_bf16``, unlisted levels): the avx512_bf16 fit
+  (2026-11-23, AMD Zen 4, bf16 MHA on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go
+  normal), kept until each of those levels is refitted on its own build;
+- ``avx2``: :data:`CPU_NATIVE_AVX2_PROFILE` (2026-11-24, Xeon SPR class with torch capped at AVX2);
+- ``amx``: :data:`CPU_NATIVE_AMX_PROFILE` (2026-11-24, Xeon SPR class, AMX attention engine).
+- ``avx512`` (the fp32 engine) was checked on that Xeon (2026-11-24 10:33Z): the default
+  profile picks 12/12 of H 16/128, P 0/1024, N 32/128/512 right.
 """
 
 from __future__ import annotations
@@ -21,28 +27,49 @@ CPU_NATIVE_PROFILE = DeviceProfile(
 )
 
 #: Level ``amx``: torch's AMX-backed bf16 GEMM and SDPA serve the normal path's big calls (the
-#: dispatch rule in :mod:`.kernels`), so the normal path is far cheaper there; the absorbed
-#: attention ran the avx512_bf16 engine when this was fitted (it now runs AMX tiles for >= 16
-#: query rows per request, :mod:`.engine`: faster, so these efficiencies are conservative for
-#: the absorbed side). Peak: the AMX bf16 GEMM ceiling measured in the
-#: decode benchmark (1.49 TFLOP/s, 2 threads); efficiencies and overhead fitted to
-#: ``python -m benchmarks policy`` at that level (2026-11-24, Xeon Sapphire Rapids class):
-#: 6 shapes at 16 heads (P 0/1024, N 32/128/512) plus the layer benchmark's fresh prefills
-#: (16 x 1024, 128 x 512), all picked right (the old profile: 3/6).
+#: dispatch rule in :mod:`.kernels`), and the absorbed attention runs AMX tiles for >= 16 query
+#: rows per request (:mod:`.engine`). Peak: the AMX bf16 GEMM ceiling measured in the decode
+#: benchmark (1.49 TFLOP/s, 2 threads). Refitted 2026-11-24 10:35Z (Xeon Sapphire Rapids class,
+#: load average 3.2-4.4) to ``python -m benchmarks policy`` at that level, 24 shapes (H 16/128,
+#: P 0/1024, N 32-2048, 3-5 interleaved rounds): 23/24 right (the miss: H128 P1024 N1024,
+#: absorbed 418 vs normal 538 ms); the fit it replaces (absorbed_efficiency 0.3, from before the
+#: AMX attention engine) picked 7/12 of the N 32-512 shapes right. The absorbed path is now
+#: ~6x cheaper: fresh prefills go normal from ~160 (128 heads) / ~440 (16 heads) new tokens,
+#: extends onto a 1K prefix from ~700.
 CPU_NATIVE_AMX_PROFILE = DeviceProfile(
     peak_flops=1.5e12,
     bandwidth=7.8e9,
-    absorbed_efficiency=0.3,
+    absorbed_efficiency=2.0,
     attn_efficiency=0.8,
     cache_bytes=32 * 2**20,
     normal_overhead=0.3e-3,
+)
+
+#: Level ``avx2`` (an AVX2 + FMA CPU without AVX-512 or bf16 dot products; every op of both paths
+#: native, fp32 FMA on bf16 widened in registers): peak = the level's GEMM ceiling (fp32 GEMM,
+#: 0.138 TFLOP/s at 2 threads, ``benchmarks/results/decode-history.md``); efficiencies and
+#: overhead fitted to ``python -m benchmarks policy`` at that level with torch capped at AVX2
+#: (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, 2026-11-24 10:36Z, Xeon Sapphire Rapids
+#: class imitating an AVX2-only CPU, load average 1.8-1.9, 3-5 interleaved rounds): 24 shapes
+#: (H 16/128, P 0/1024, N 32-1024), 23 right (the miss: H128 fresh 128, absorbed 49 vs normal
+#: 54 ms); the avx512_bf16 fit it had picked 10/12 right. (A fit to runs at load ~7, absorbed
+#: 1.2 / attn 0.5 / overhead 10 ms, was a load artifact: many small parallel ops of the normal
+#: path wait on descheduled threads.) Fresh prefills go normal from ~70 (128 heads) / ~200 (16
+#: heads) new tokens, extends onto a 1K prefix from ~300.
+CPU_NATIVE_AVX2_PROFILE = DeviceProfile(
+    peak_flops=0.138e12,
+    bandwidth=7.8e9,
+    absorbed_efficiency=1.5,
+    attn_efficiency=1.0,
+    cache_bytes=32 * 2**20,
+    normal_overhead=2e-3,
 )
 
 #: profile by ISA level of the native build (None: the level the loader picked)
 PROFILES: dict[str | None, DeviceProfile] = {
     None: CPU_NATIVE_PROFILE,
     "fp32": CPU_NATIVE_PROFILE,
-    "avx2": CPU_NATIVE_PROFILE,
+    "avx2": CPU_NATIVE_AVX2_PROFILE,
     "avx512": CPU_NATIVE_PROFILE,
     "avx512_bf16": CPU_NATIVE_PROFILE,
     "amx": CPU_NATIVE_AMX_PROFILE,
