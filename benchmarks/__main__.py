@@ -1,6 +1,7 @@
-"""``python -m benchmarks decode|extend|gemm|layer|policy|vllm|serve|sglang|gpu|fp8-accuracy [-h]``:
-one subcommand per benchmark; each writes ``benchmarks/results/<name>-latest.md`` and appends
-to ``<name>-history.md``."""
+"""``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
+layer, policy, vllm, serve, sglang, gpu, fp8-accuracy); each writes
+``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
+the roofline PNGs from ``decode-latest.md``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ COMMANDS = {
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),
     "serve": ("serve", "online serving through each engine's own bench client"),
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),
+    "plot": ("plot", "roofline PNG per ISA level from decode-latest.md (needs matplotlib)"),
     "gpu": ("gpu", "Triton kernels on a GPU vs FlashMLA-style baselines"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
 }
