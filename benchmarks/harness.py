@@ -130,6 +130,14 @@ print(best)
 """
 
 
+def capped_env(isa: str) -> dict[str, str]:
+    """The environment variables that cap torch's own kernels (ATen's vector code, oneDNN, MKL)
+    at native level ``isa``: with them an AVX-512 host imitates a CPU of that level."""
+    if isa not in _ISA_ENV:
+        raise ValueError(f"no torch cap for ISA level {isa!r}; supported: {sorted(_ISA_ENV)}")
+    return dict(_ISA_ENV[isa])
+
+
 def isa_gemm_ceiling(isa: str) -> float:
     """The compute ceiling of one ISA level on this CPU: the better of a bf16 and an fp32
     1024^3 GEMM in a child process whose torch kernels are capped at that level (FLOP/s)."""

@@ -6,8 +6,11 @@ against its OpenAI / native server, ``mla_absorb`` next to the engine's in-tree 
   script is broken) with ``--attention-backend`` MLA_ABSORB, AMX_MLA and CPU_MLA, driven by
   ``vllm bench serve`` (same launcher).
 * ``--engine sglang`` (SGLang env): ``sglang.launch_server --device cpu`` with
-  ``mla_absorb`` and the in-tree ``torch_native`` (the only in-tree backend that runs DeepSeek
-  on this CPU; its default prefill crashes on the latent pool, so, as in
+  ``mla_absorb``, SGLang's default CPU backend ``intel_amx`` where it can run (it needs
+  sgl-kernel's CPU build, ``torch.ops.sgl_kernel.decode_attention_cpu`` /
+  ``extend_attention_cpu``; without it the row says so and no server starts) and the in-tree
+  ``torch_native`` (the in-tree backend that runs DeepSeek on a CPU without sgl-kernel; its
+  default prefill crashes on the latent pool, so, as in
   ``benchmarks/sglang_batch.py``, a benchmark-only handler sends every batch to its absorbed path,
   installed through a generated ``sitecustomize`` on the server's PYTHONPATH), driven by
   ``python -m sglang.benchmark.serving`` (``sglang.bench_serving``; it imports HF
@@ -22,21 +25,33 @@ rope 64, nope 128, v 128; 2 layers, hidden 256), bf16, random weights
 point uses its own seed (the same for every backend), so no point is served from the
 prefix cache of an earlier one; each server gets a short warm-up run on other prompts first.
 
+ISA level: ``--isa <level>`` runs our kernels at that native level (``MLA_BACKEND_NATIVE_ISA``;
+default: the best level this CPU runs). ``--imitate-avx2`` (SGLang only) imitates an AVX2-only
+CPU on an AVX-512 host: this process re-executes itself with torch's own kernels capped at AVX2
+(``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``) and
+``MLA_BACKEND_NATIVE_ISA=avx2``, and every server inherits that environment, so both engines'
+backends run with the same capped torch. (vLLM picks its own kernel library from the CPU's flags,
+so it is not imitated here: ``benchmarks/vllm_ops.py``.) The title, the result's name and the
+notes name the level, the CPU and whether it is imitated; the table has the 1-minute load
+average at the end of each row.
+
 One server at a time, on 127.0.0.1 only, in its own process group, always stopped
 (try/finally: SIGTERM, then SIGKILL to the group). Rounds are interleaved (round r runs the
 backends in rotated order); the table shows the median over rounds.
 
     python -m benchmarks serve --engine vllm [--quick] [--rounds N]
-    python -m benchmarks serve --engine sglang [--quick]
+    python -m benchmarks serve --engine sglang [--quick] [--isa avx512] [--imitate-avx2]
 
-A backend that cannot run on this CPU (AMX_MLA without AVX-512 / AVX512-BF16) or whose server
-fails is a row with the reason. Writes ``benchmarks/results/serve_<engine>-latest.md`` (and the
-history).
+A backend that cannot run on this CPU (AMX_MLA without AVX-512 / AVX512-BF16; intel_amx without
+sgl-kernel's CPU build) or whose server fails is a row with the reason. Writes
+``benchmarks/results/serve_<engine>-latest.md`` (and the history); with ``--isa`` or
+``--imitate-avx2``, ``serve_<engine>_<level>-latest.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -48,6 +63,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from mla_backend.testing import host
 from mla_backend.testing.tiny_model import PRESETS, YARN_ROPE_SCALING, make_tiny_deepseek_v2
 from mla_backend.testing.vllm_backends import (
     FORCE_ENV,
@@ -64,7 +80,7 @@ SGLANG_STUBS = ROOT / "integrations" / "sglang" / "tests" / "stubs"
 SERVED = "tiny"
 BACKENDS = {
     "vllm": ["MLA_ABSORB", "AMX_MLA", "CPU_MLA"],
-    "sglang": ["mla_absorb", "torch_native"],
+    "sglang": ["mla_absorb", "intel_amx", "torch_native"],
 }
 OURS = {"vllm": "MLA_ABSORB", "sglang": "mla_absorb"}
 # SGLang's CPU rope path asserts yarn rope_scaling (as in sglang_bench.py and the tests)
@@ -81,6 +97,28 @@ if os.environ.get("SERVE_BENCH_TORCH_NATIVE_ABSORB") == "1":
 
     AttentionBackendRegistry.register("torch_native", lambda attn, fb: AttnForwardMethod.MLA)
 """
+
+
+def _sglang_unavailable(backend: str) -> str | None:
+    """Why an SGLang backend cannot run here (None: it can). ``intel_amx``
+    (``IntelAMXAttnBackend``) imports ``sgl_kernel`` and binds
+    ``torch.ops.sgl_kernel.decode_attention_cpu`` / ``extend_attention_cpu`` at construction."""
+    if backend != "intel_amx":
+        return None
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        try:
+            import sgl_kernel  # noqa: F401
+            import torch
+
+            if hasattr(torch.ops.sgl_kernel, "decode_attention_cpu"):
+                return None
+        except Exception as e:  # a CUDA build of sgl-kernel fails to load on a CPU-only torch
+            return f"sgl_kernel does not load here ({type(e).__name__}: {str(e)[:120]})"
+    return (
+        "needs sgl-kernel's CPU build (torch.ops.sgl_kernel.decode_attention_cpu / "
+        "extend_attention_cpu), not installed: PyPI's sgl-kernel wheels are CUDA builds, the CPU "
+        "build is compiled from SGLang's source (its xeon Dockerfile)"
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -202,10 +240,11 @@ def _client_env(engine: str, tmp: Path) -> dict[str, str]:
 
 def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace,
                 points: list[tuple[str, int, int]], tmp: Path) -> dict[str, Any]:  # fmt: skip
-    why = unavailable_reason(backend) if engine == "vllm" else None
+    why = unavailable_reason(backend) if engine == "vllm" else _sglang_unavailable(backend)
     if why is not None:
-        print(f"  {backend}: not available on this CPU: {why}", flush=True)
-        return {"backend": backend, "points": {}, "error": f"not available on this CPU: {why}"}
+        why = f"not available {'on this CPU' if engine == 'vllm' else 'here'}: {why}"
+        print(f"  {backend}: {why}", flush=True)
+        return {"backend": backend, "points": {}, "error": why}
     port = free_port()
     max_len = args.input_len + args.output_len + 64
     log = tmp / f"{engine}_{backend}_{port}.log"
@@ -250,6 +289,7 @@ def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace
             res = _parse(engine, out)
             if res["completed"] != num:
                 raise RuntimeError(f"{name}: {res['completed']:.0f} of {num} requests completed")
+            res["load"] = os.getloadavg()[0]
             result["points"][name] = res
             print(
                 f"  {backend} {name}: {res['req_s']:.2f} req/s, {res['out_tok_s']:.1f} tok/s, "
@@ -287,6 +327,7 @@ def _table(engine: str, backends: list[str], points: list[tuple[str, int, int]],
     header = [
         "concurrency", "backend", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
         "TPOT p50 ms", "TPOT p99 ms", f"tok/s {ours} / this", f"TPOT p50 this / {ours}",
+        "load 1m",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
@@ -312,8 +353,59 @@ def _table(engine: str, backends: list[str], points: list[tuple[str, int, int]],
             else:
                 cells += [f"{o_tok / med(b, name, 'out_tok_s'):.2f}x",
                           f"{med(b, name, 'tpot_p50') / o_tpot:.2f}x"]  # fmt: skip
+            cells.append(f"{med(b, name, 'load'):.1f}")
             lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _apply_setting(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                   raw: list[str]) -> str:  # fmt: skip
+    """Put this run's ISA setting into the environment every server inherits (re-executing this
+    process under the AVX2 caps for ``--imitate-avx2``: torch reads them when it loads); the
+    native level our kernels run at."""
+    if args.imitate_avx2:
+        if args.engine != "sglang":
+            ap.error("--imitate-avx2 is for --engine sglang: vLLM picks its kernel library "
+                     "from the CPU's flags (see benchmarks/vllm_ops.py)")  # fmt: skip
+        if args.isa not in (None, "avx2"):
+            ap.error(f"--imitate-avx2 runs our kernels at avx2, not at --isa {args.isa}")
+        args.isa = "avx2"
+        want = {**harness.capped_env("avx2"), host.ISA_ENV: "avx2"}
+        if any(os.environ.get(k) != v for k, v in want.items()):
+            cmd = [sys.executable, "-m", "benchmarks", "serve", *raw]
+            os.execve(sys.executable, cmd, {**os.environ, **want})
+        if host.torch_capability() != "AVX2":
+            ap.error(f"--imitate-avx2: torch still runs at {host.torch_capability()} under "
+                     "ATEN_CPU_CAPABILITY=avx2")  # fmt: skip
+    if args.isa is not None:
+        os.environ[host.ISA_ENV] = args.isa
+    try:
+        level = host.selected_isa()  # validates a forced level against this CPU
+    except ValueError as e:
+        ap.error(str(e))
+    if level == "unavailable":
+        ap.error("our native kernels do not load on this machine")
+    return level
+
+
+def _setting_notes(args: argparse.Namespace, level: str, load0: float) -> list[str]:
+    cpu = host.cpu_model()
+    forced = f" (forced: {host.ISA_ENV}={args.isa})" if args.isa else " (the best this CPU runs)"
+    if args.imitate_avx2:
+        torch_cap = (
+            "torch's own kernels in this process and every server capped at AVX2 ("
+            + ", ".join(f"{k}={v}" for k, v in harness.capped_env("avx2").items())
+            + f"; torch CPU capability {host.torch_capability()}): an AVX2-only CPU imitated "
+            f"on {cpu}, which has AVX-512 and AMX"
+        )
+    else:
+        torch_cap = f"torch's own kernels uncapped (CPU capability {host.torch_capability()})"
+    return [
+        f"Setting: CPU {cpu}, {os.cpu_count()} cores; our kernels (`{OURS[args.engine]}`) at "
+        f"native level **{level}**{forced}; {torch_cap}.",
+        f"Load: 1-minute load average {load0:.1f} at the start; the last column is the load at "
+        "the end of each row's client run (other jobs share this machine).",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,7 +424,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per client run")
     ap.add_argument("--model", type=Path, default=None, help="model folder (default: tiny)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--isa", default=None,
+                    help=f"our native ISA level ({host.ISA_ENV}; default: the best this CPU "
+                         "runs)")  # fmt: skip
+    ap.add_argument("--imitate-avx2", action="store_true",
+                    help="SGLang: an AVX2-only CPU imitated (torch capped at AVX2 in every "
+                         "server, our kernels at avx2)")  # fmt: skip
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(raw)
+    level = _apply_setting(ap, args, raw)
+    load0 = os.getloadavg()[0]
     args.input_len = args.input_len or (128 if args.quick else 512)
     args.output_len = args.output_len or (32 if args.quick else 64)
     per_slot = args.prompts_per_slot or (2 if args.quick else 3)
@@ -362,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         total_s = time.monotonic() - t_all
 
     client = "vllm bench serve" if engine == "vllm" else "python -m sglang.benchmark.serving"
-    notes = [
+    notes = _setting_notes(args, level, load0) + [
         f"Client: `{client}` (the engine's own), random token-id prompts, "
         f"{args.input_len} in / {args.output_len} out tokens (EOS ignored), Poisson arrivals "
         f"at {args.request_rate:g} req/s capped at the max concurrency of each row, "
@@ -402,14 +503,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             + "."
         )
+    for b in backends:
+        if all("error" in r[b] for r in rounds):
+            notes.append(f"`{b}` {rounds[0][b]['error'][:500]}")
     startup = {
         b: statistics.median(r[b]["startup_s"] for r in rounds if "startup_s" in r[b])
         for b in backends
         if any("startup_s" in r[b] for r in rounds)
     }
     notes.append("Server start-up: " + ", ".join(f"{b} {s:.0f} s" for b, s in startup.items()))
-    harness.write_result(f"serve_{engine}", f"Serving benchmark, {engine}", notes,
-                         "\n".join(_table(engine, backends, points, rounds)))  # fmt: skip
+    where = "an AVX2-only CPU imitated on" if args.imitate_avx2 else "on"
+    title = f"Serving benchmark, {engine}: our kernels at {level}, {where} {host.cpu_model()}"
+    name = f"serve_{engine}" + (f"_{level}" if args.isa else "")
+    harness.write_result(name, title, notes, "\n".join(_table(engine, backends, points, rounds)))
     failed = [b for b in backends if all("error" in r[b] for r in rounds)]
     return 1 if OURS[engine] in failed else 0
-
