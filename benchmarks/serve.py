@@ -54,6 +54,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -341,7 +342,9 @@ def _table(engine: str, backends: list[str], points: list[tuple[str, int, int]],
             errors = [r[b]["error"] for r in rounds if "error" in r.get(b, {})]
             if med(b, name, "req_s") is None:
                 msg = errors[0] if errors else "not run"
-                lines.append(f"| {conc} | {b} | failed: {msg[:150].replace('|', '/')} |"
+                msg = (msg.split(":")[0] + " (the notes say why)" if msg.startswith("not avail")
+                       else f"failed: {msg[:150]}")  # fmt: skip
+                lines.append(f"| {conc} | {b} | {msg.replace('|', '/')} |"
                              + " |" * (len(header) - 3))  # fmt: skip
                 continue
             cells += [f"{med(b, name, 'req_s'):.2f}", f"{med(b, name, 'out_tok_s'):.1f}"]
@@ -433,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(raw)
     level = _apply_setting(ap, args, raw)
+    # SIGTERM unwinds like an error, so the running server's try/finally stops its group
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load0 = os.getloadavg()[0]
     args.input_len = args.input_len or (128 if args.quick else 512)
     args.output_len = args.output_len or (32 if args.quick else 64)
