@@ -118,7 +118,9 @@ def _sglang_unavailable(backend: str) -> str | None:
     return (
         "needs sgl-kernel's CPU build (torch.ops.sgl_kernel.decode_attention_cpu / "
         "extend_attention_cpu), not installed: PyPI's sgl-kernel wheels are CUDA builds, the CPU "
-        "build is compiled from SGLang's source (its xeon Dockerfile)"
+        "build is compiled from SGLang's source (its xeon Dockerfile). Without it SGLang serves "
+        "--attention-backend intel_amx with torch_native ('The current platform does not support "
+        "Intel AMX, will fallback to torch_native backend.')"
     )
 
 
