@@ -16,8 +16,8 @@ COLORS = {"ours": "tab:blue", "CPU_MLA": "tab:orange", "AMX_MLA": "tab:red", "to
 def roofline_per_isa(name: str, points: dict[str, list[tuple[float, float]]], peak: float,
                      bw: float, ceilings: dict[str, float],
                      out: Path | None = None) -> list[Path]:  # fmt: skip
-    """Write ``roofline-<isa>-latest.png`` per level of ``ceilings`` (ISA level -> its GEMM
-    ceiling) from ``points`` (kernel label -> [(FLOP/byte, FLOP/s)]; labels "ours <isa>
+    """Write ``roofline-<isa>-latest.png`` per level of ``ceilings`` (ISA level -> its own
+    compute ceiling) from ``points`` (kernel label -> [(FLOP/byte, FLOP/s)]; labels "ours <isa>
     <cache>" or "<peer> <cache>"), the run's roof (``peak``, ``bw``) and the level's own."""
     try:
         import matplotlib
@@ -33,9 +33,9 @@ def roofline_per_isa(name: str, points: dict[str, list[tuple[float, float]]], pe
     written = []
     for isa, ceiling in ceilings.items():
         fig, ax = plt.subplots(figsize=(9, 6))
-        roof = f"roof (run median): {peak / 1e12:.2f} TFLOP/s, {bw / 1e9:.1f} GB/s"
+        roof = f"roof (run's best probes): {peak / 1e12:.2f} TFLOP/s, {bw / 1e9:.1f} GB/s"
         ax.plot(grid, [min(peak, bw * x) / 1e9 for x in grid], "-", color="black", label=roof)
-        own = min(peak, ceiling)
+        own = ceiling
         ax.plot(grid, [min(own, bw * x) / 1e9 for x in grid], "--", color="tab:blue",
                 label=f"{isa} ceiling: {own / 1e12:.3f} TFLOP/s")  # fmt: skip
         for label, pts in sorted(points.items()):
