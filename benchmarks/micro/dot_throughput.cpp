@@ -55,28 +55,20 @@ AVX2 float fma_tp_ymm(long n) {
   _mm256_store_ps(o, c[0]);
   return o[0];
 }
-AVX512 float fma_tp_zmm(long n) {
-  __m512 a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f), c[12];
-  for (int i = 0; i < 12; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
-  for (long k = 0; k < n; ++k) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) c[i] = _mm512_fmadd_ps(a, b, c[i]);
-    asm volatile("" : "+v"(a));
-  }
-  for (int i = 1; i < 12; ++i) c[0] = _mm512_add_ps(c[0], c[i]);
+// n iterations of 12 independent zmm chains c[i] = STEP(c[i], a, b), summed at the end
+#define ZMM_THROUGHPUT(STEP)                                                        \
+  __m512 a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f), c[12];          \
+  for (int i = 0; i < 12; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));       \
+  for (long k = 0; k < n; ++k) {                                                   \
+    _Pragma("GCC unroll 12") for (int i = 0; i < 12; ++i) c[i] = STEP(c[i], a, b); \
+    asm volatile("" : "+v"(a));                                                    \
+  }                                                                                \
+  for (int i = 1; i < 12; ++i) c[0] = _mm512_add_ps(c[0], c[i]);                   \
   return _mm512_reduce_add_ps(c[0]);
-}
-AVX512BF16 float dp_tp_zmm(long n) {
-  __m512 a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f), c[12];
-  for (int i = 0; i < 12; ++i) c[i] = _mm512_set1_ps(static_cast<float>(i));
-  for (long k = 0; k < n; ++k) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) c[i] = _mm512_dpbf16_ps(c[i], (__m512bh)a, (__m512bh)b);
-    asm volatile("" : "+v"(a));
-  }
-  for (int i = 1; i < 12; ++i) c[0] = _mm512_add_ps(c[0], c[i]);
-  return _mm512_reduce_add_ps(c[0]);
-}
+#define FMA_STEP(c, a, b) _mm512_fmadd_ps(a, b, c)
+#define DP_STEP(c, a, b) _mm512_dpbf16_ps(c, (__m512bh)(a), (__m512bh)(b))
+AVX512 float fma_tp_zmm(long n) { ZMM_THROUGHPUT(FMA_STEP) }
+AVX512BF16 float dp_tp_zmm(long n) { ZMM_THROUGHPUT(DP_STEP) }
 AVX512 float fma_lat(long n) {
   __m512 a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(1);
   for (long k = 0; k < n; ++k) c = _mm512_fmadd_ps(a, b, c);
