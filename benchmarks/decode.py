@@ -2,13 +2,14 @@
 this CPU runs, side by side with vLLM CPU_MLA's decode kernel (every CPU) and AMX_MLA's (where it
 runs) and the core's torch path, on the same page-16 bf16 cache, in one run.
 
-r 512 + rope 64, shuffled pages, one new token per request. Kernels and the roofline probes
-(best of a bf16 and an fp32 GEMM; streaming read) are timed in the same interleaved rounds, so
-each shape is judged against the roofline of its own rounds: roof = share of
-min(peak, intensity x bandwidth) with 1152 bytes per token. ``--caches fp8,fp8_ds_mla`` adds our
-kernels on those caches (576 / 656 bytes per token) at every level. Outputs are checked against
-CPU_MLA's (or the torch path's) before timing. Writes ``decode-latest.md`` (and the history) and,
-with matplotlib, one roofline plot per ISA level (``roofline-<isa>-latest.png``).
+r 512 + rope 64, shuffled pages, one new token per request. Kernels and the roofline probes are
+timed in the same interleaved rounds: roof = share of min(ceiling, intensity x bandwidth) with
+1152 bytes per token. The roofline (``benchmarks/roofline.py``) is the best of every probe
+sample of the run (torch's GEMMs, our FMA loop and torch's capped GEMM per level, two streaming
+reads); a roof share above 100% is flagged '!'. ``--caches fp8,fp8_ds_mla`` adds our kernels on
+those caches (576 / 656 bytes per token) at every level. Outputs are checked against CPU_MLA's
+(or the torch path's) before timing. Writes ``decode-latest.md`` (and the history) and, with
+matplotlib, one roofline plot per ISA level (``roofline-<isa>-latest.png``).
 
 Run it in the vLLM environment (``.nox/demo/bin/python -m benchmarks decode``) for vLLM's kernels.
 """
@@ -16,7 +17,6 @@ Run it in the vLLM environment (``.nox/demo/bin/python -m benchmarks decode``) f
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -24,7 +24,7 @@ import torch
 import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
 
-from . import harness, plot, vllm_ops
+from . import harness, plot, roofline, vllm_ops
 from .problems import paged_latents
 
 R, ROPE, PAGE = 512, 64, 16
@@ -50,7 +50,7 @@ def caches(cache: torch.Tensor, kinds: list[str]) -> dict[str, Cache]:
 
 def run_shape(H: int, B: int, L: int, isas: list[str], kinds: list[str], ops: object | None,
               amx: bool, rounds: int, min_time: float, torch_max_tokens: int,
-              roof: harness.Roofline) -> dict[str, object]:  # fmt: skip
+              roof: roofline.Roofline) -> dict[str, object]:  # fmt: skip
     """Times of every kernel on one shape, with this shape's roofline."""
     dims = mb.MLADims(H, R, 128, ROPE, 128)
     scale = 1.0 / (192**0.5)
@@ -83,9 +83,8 @@ def run_shape(H: int, B: int, L: int, isas: list[str], kinds: list[str], ops: ob
             diff = (f().float() - ref).abs().max().item()
             assert diff < 5e-2, f"{k} disagrees with {ref_key} by {diff}"
     fns.update(roof.probes())
-    times = harness.interleaved(fns, rounds, min_time)
-    peak, bw, gemm = roof.take(times)
-    return {"times": times, "peak": peak, "bw": bw, "gemm": gemm}
+    times = harness.interleaved(fns, rounds, min_time, each_round=roof.sample)
+    return {"times": times, "probes": roof.take(times)}
 
 
 def flops_bytes(H: int, B: int, L: int, kind: str) -> tuple[float, float]:
@@ -111,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = args.caches.split(",")
     ops = vllm_ops.vllm_ops()
     amx = vllm_ops.amx_mla_runs(ops)
-    roof = harness.Roofline()
-    ceilings = {isa: harness.isa_gemm_ceiling(isa) for isa in isas}
+    roof = roofline.Roofline(isas)
     results = []
     for H in (int(x) for x in args.heads.split(",")):
         for B in (int(x) for x in args.batches.split(",")):
@@ -128,37 +126,45 @@ def main(argv: list[str] | None = None) -> int:
     kernels: list[str] = []  # every kernel of any shape (the torch path skips large ones)
     for _, res in results:
         kernels += [k for k in res["times"] if k not in kernels]
-    header = ["H", "batch", "kv", "peak TF/s", "bw GB/s"] + [f"{k} ms (roof)" for k in kernels]
+    (peak, peak_src), (bw, bw_src) = roof.peak(), roof.bw()
+    ceilings = {isa: roof.ceiling(isa) for isa in isas}
+    header = ["H", "batch", "kv", "shape's GEMM TF/s", "shape's bw GB/s"]
+    header += [f"{k} ms (roof)" for k in kernels]
     others = [k for k in ("CPU_MLA bf16", "AMX_MLA bf16", "torch bf16") if k in kernels]
     header += [f"{o.split()[0]} / ours {isa}" for o in others for isa in isas]
     rows, points = [], {}
     for (H, B, L), res in results:
-        t, peak, bw = res["times"], res["peak"], res["bw"]
-        row = [str(H), str(B), str(L), f"{peak / 1e12:.3f} {res['gemm']}", f"{bw / 1e9:.1f}"]
+        t, sp = res["times"], res["probes"]
+        row = [str(H), str(B), str(L), f"{sp.peak / 1e12:.3f} {sp.which}", f"{sp.bw / 1e9:.1f}"]
         for k in kernels:
             if k not in t:
                 row.append("-")
                 continue
             f, nb = flops_bytes(H, B, L, k.rsplit(" ", 1)[1])
-            pk = min(peak, ceilings[k.split()[1]]) if k.startswith("ours") else peak
-            row.append(f"{t[k] * 1e3:.3f} ({harness.roof_fraction(f, nb, t[k], pk, bw):.0%})")
+            pk = ceilings[k.split()[1]][0] if k.startswith("ours") else peak
+            share = roofline.roof_fraction(f, nb, t[k], pk, bw)
+            row.append(f"{t[k] * 1e3:.3f} ({roofline.roof_cell(share)})")
             points.setdefault(k, []).append((f / nb, f / t[k]))
         row += [f"{t[o] / t[f'ours {isa} bf16']:.2f}x" if o in t else "-"
                 for o in others for isa in isas]  # fmt: skip
         rows.append(row)
-    peaks = [r["peak"] for _, r in results]
-    bws = [r["bw"] for _, r in results]
     notes = [
         f"bf16 cache, page {PAGE}, shuffled pages, r {R} + rope {ROPE}; kernels and roofline "
         f"probes timed interleaved, best of {args.rounds} rounds of >= {args.min_time}s",
-        "peak = the better of a 1024^3 bf16 and fp32 GEMM (which one in the cell), bw = a "
-        "skinny matmul streaming 256 MiB, both per shape in the same rounds; roof = share of "
-        "min(peak, intensity x bw) with each cache's bytes per token (bf16 1152, fp8 576, "
-        f"fp8_ds_mla {DS.bytes_per_token}); for ours <isa> the peak is capped by that level's "
-        "own GEMM ceiling, the better of bf16 and fp32 GEMMs with torch's kernels capped at "
-        "the level (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS; measured "
-        "once before the shapes): " + ", ".join(f"{i} {c / 1e12:.3f}" for i, c in
-                                               ceilings.items()) + " TFLOP/s",
+        "roof = share of min(ceiling, intensity x bw) with each cache's bytes per token (bf16 "
+        f"1152, fp8 576, fp8_ds_mla {DS.bytes_per_token}); every ceiling is the best sample of "
+        "the whole run (probes between every round of every shape: load only lowers a sample)",
+        "compute ceiling for ours <isa>: that level's own, the better of torch's 1024^3 GEMM "
+        "(bf16 or fp32) capped at the level in a child process (ATEN_CPU_CAPABILITY, "
+        "ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) and our FMA loop at the level "
+        "(benchmarks/micro/dot_throughput.cpp --peak, all threads): "
+        + ", ".join(f"{i} {c / 1e12:.3f} TFLOP/s ({src})" for i, (c, src) in ceilings.items())
+        + f"; for the peers: {peak / 1e12:.3f} TFLOP/s ({peak_src}); bw {bw / 1e9:.1f} GB/s "
+        f"({bw_src}: the better of torch's fp32 sum and our 32-byte-load stream over 256 MiB)",
+        "every probe's best over the run (samples): " + roof.summary(),
+        "shape's GEMM / bw columns: torch's in-process GEMM and fp32 sum in that shape's own "
+        "rounds (they show the load; the roof uses the run's best)",
+        roofline.ROOF_FLAG_NOTE,
         f"ours <isa> = mb.absorbed_attention with a plan on our native kernels at that ISA "
         f"level (levels: {', '.join(isas)}); torch = the core's torch path",
         "X / ours <isa> > 1: ours faster",
@@ -170,7 +176,5 @@ def main(argv: list[str] | None = None) -> int:
     harness.write_result("decode", "Absorbed MLA decode per ISA level vs vLLM's CPU kernels",
                          notes, harness.table(header, rows))  # fmt: skip
     if results:
-        plot.roofline_per_isa(
-            "decode", points, statistics.median(peaks), statistics.median(bws), ceilings
-        )
+        plot.roofline_per_isa("decode", points, peak, bw, {i: c for i, (c, _) in ceilings.items()})
     return 0

@@ -19,8 +19,9 @@ dtype (no fp8 rows), head sizes that are multiples of 32, and one kv head in the
 (a cache with more heads than ``k_extend`` makes it skip the prefix). Its output is checked
 against ours before timing.
 
-Kernels are timed interleaved (round-robin, best of N) with the harness's roofline probes (the
-better of a bf16 and an fp32 GEMM, streaming read bandwidth) in the same rounds.
+Kernels are timed interleaved (round-robin, best of N) with the roofline probes
+(``benchmarks/roofline.py``: torch's GEMMs and our FMA loop, two streaming reads) in the same
+rounds; each shape is judged by the best probe samples of the run so far.
 FLOPs count the causal triangle exactly: per request sum_j 2 * H * (prefix + j + 1) * (r + rope
 + r); bytes = cache rows (prefix + new) in the cache dtype + q (r + rope) and o (r) in bf16.
 roof = min(peak, intensity x bw) / achieved.
@@ -39,8 +40,9 @@ import torch
 
 import mla_backend as mb
 
-from . import harness, vllm_ops
+from . import harness, roofline, vllm_ops
 from .problems import paged_latents
+from .roofline import roof_cell
 
 FP8 = torch.float8_e4m3fn
 R, ROPE, PAGE = 512, 64, 64
@@ -161,8 +163,9 @@ def run_shape(H, B, P, N, rounds, min_time, vk, torch_max_gflop, roof, isas):
         flush=True,
     )
     fns.update(roof.probes())
-    times = harness.interleaved(fns, rounds, min_time)
-    peak, bw, _ = roof.take(times)
+    times = harness.interleaved(fns, rounds, min_time, each_round=roof.sample)
+    roof.take(times)
+    (peak, _), (bw, _) = roof.peak(), roof.bw()  # the run's best so far
     res = {"_roof": (peak, bw), "_diff": diffs}
     for k, t in times.items():
         nbytes = extend_bytes(H, B, P, N, (R + ROPE) * (1 if k.endswith("fp8") else 2))
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         heads, batches, prefixes, news, args.rounds = [16, 128], [1], [1024], [128], 2
     vk = vllm_extend_kernel()
-    roof = harness.Roofline()
+    roof = roofline.Roofline(isas[-1:])
     print(f"native ISA {isa}; AMX_MLA extend kernel {'yes' if vk else 'no'}")
     header = ["H", "batch", "prefix", "new", "GFLOP", "FLOP/B", "peak TF/s", "bw GB/s"]
     header += ["native bf16 ms", "GF/s", "roof"]
@@ -229,16 +232,16 @@ def main(argv: list[str] | None = None) -> int:
                     nb, nf, tb = res["native_bf16"], res["native_fp8"], res.get("torch_bf16", nan)
                     row = [str(H), str(B), str(P), str(N), f"{gf:.2f}", f"{nb[3]:.0f}"]
                     row += [f"{peak / 1e12:.3f}", f"{bw / 1e9:.2f}"]
-                    row += [f"{nb[0] * 1e3:.3f}", f"{nb[2] / 1e9:.0f}", f"{nb[1]:.0%}"]
+                    row += [f"{nb[0] * 1e3:.3f}", f"{nb[2] / 1e9:.0f}", roof_cell(nb[1])]
                     for lvl in isas[:-1]:
                         t_lvl = res[f"native {lvl}_bf16"][0]
                         row += [f"{t_lvl * 1e3:.3f}", f"{t_lvl / nb[0]:.2f}x"]
                     if vk is not None:
                         vb = res["vllm_bf16"]
-                        row += [f"{vb[0] * 1e3:.3f}", f"{vb[2] / 1e9:.0f}", f"{vb[1]:.0%}"]
+                        row += [f"{vb[0] * 1e3:.3f}", f"{vb[2] / 1e9:.0f}", roof_cell(vb[1])]
                         row += [f"{vb[0] / nb[0]:.2f}x", f"{diffs['vllm']:.1e}"]
-                    row += [f"{tb[0] * 1e3:.3f}", f"{tb[1]:.0%}", f"{tb[0] / nb[0]:.2f}x"]
-                    row += [f"{nf[0] * 1e3:.3f}", f"{nf[1]:.0%}", f"{nb[0] / nf[0]:.2f}x"]
+                    row += [f"{tb[0] * 1e3:.3f}", roof_cell(tb[1]), f"{tb[0] / nb[0]:.2f}x"]
+                    row += [f"{nf[0] * 1e3:.3f}", roof_cell(nf[1]), f"{nb[0] / nf[0]:.2f}x"]
                     rows.append(row)
                     print(" | ".join(row), flush=True)
     pk = [p for p, _ in roofs]
@@ -247,11 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         "extend: every request has `prefix` cached tokens and `new` query tokens, causal among "
         "them; GFLOP counts the causal triangle exactly (2 H (new prefix + new (new+1)/2) "
         "(r + rope + r) per request); FLOP/B = GFLOP / bytes (bf16 cache rows + bf16 q and o)",
-        "roofline measured per shape, in the same interleaved rounds as the kernels (the "
-        "better of a 1024^3 bf16 and fp32 GEMM; skinny matmul streaming 256 MiB): peak "
+        "roofline: the best probe samples of the run up to each shape (between every round: "
+        "torch's 1024^3 bf16 / fp32 GEMM, our FMA loop at the top level, torch's fp32 sum and "
+        "our stream over 256 MiB): peak "
         f"{min(pk) / 1e12:.3f}..{max(pk) / 1e12:.3f} TFLOP/s, read bandwidth "
-        f"{min(bws) / 1e9:.2f}..{max(bws) / 1e9:.2f} GB/s over the run; roof = fraction of "
-        "min(peak, intensity x bw) (fp8 rows count 1 byte per cached element)",
+        f"{min(bws) / 1e9:.2f}..{max(bws) / 1e9:.2f} GB/s; roof = fraction of "
+        "min(peak, intensity x bw) (fp8 rows count 1 byte per cached element); every probe's "
+        "best over the run: " + roof.summary(),
         f"native = our kernels at ISA level {isa} (native <level> bf16: at that level, "
         "<level> / best > 1: the best level faster); kernels timed interleaved, best of "
         f"{args.rounds} rounds of >= {args.min_time}s each (a kernel whose warm-up call takes "
@@ -269,9 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         else "AMX_MLA's extend: "
         + (vllm_ops.amx_mla_unavailable() or "vLLM not importable here")
         + " (no column; CPU_MLA has no extend kernel)",
-        "vs vLLM / vs torch = their time / native bf16 time (> 1: ours faster); on a loaded "
-        "machine a roof above 100% means the probes of that shape were slowed more than the "
-        "kernel (compare ratios within a row, not fractions across runs)",
+        "vs vLLM / vs torch = their time / native bf16 time (> 1: ours faster)",
+        roofline.ROOF_FLAG_NOTE,
     ]
     if skipped:
         notes.append(f"skipped (over --max-gflop {args.max_gflop:.0f}): " + ", ".join(skipped))

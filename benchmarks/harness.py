@@ -1,16 +1,14 @@
-"""The benchmarks' shared harness: interleaved timing, the roofline measured in the same run
-(the ISA's own compute ceiling: the best of a bf16 and an fp32 GEMM; the best streaming read),
-markdown tables, results files (``<name>-latest.md`` plus one appended ``<name>-history.md``),
-the host line every result names (CPU model, torch capability, our native ISA levels), and
-engine server processes (start, wait until ready, stop the whole process group).
+"""The benchmarks' shared harness: interleaved timing (with a per-round hook: the roofline's
+samples, ``benchmarks/roofline.py``), markdown tables, results files (``<name>-latest.md``
+plus one appended ``<name>-history.md``), the host line every result names (CPU model, torch
+capability, our native ISA levels), and engine server processes (start, wait until ready, stop
+the whole process group).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,11 +36,12 @@ def best_time(fn: Callable[[], object], repeat: int = 5, min_time: float = 0.05)
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], rounds: int, min_time: float
+    fns: dict[str, Callable[[], object]], rounds: int, min_time: float,
+    each_round: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Best seconds per call of each function over ``rounds`` interleaved rounds (every round
-    times each once for >= ``min_time``). One whose warm-up call takes over a second is timed
-    in the first round only."""
+    times each once for >= ``min_time``, then calls ``each_round(round)``). One whose warm-up
+    call takes over a second is timed in the first round only."""
     best = dict.fromkeys(fns, float("inf"))
     slow = set()
     for k, f in fns.items():  # warm-up
@@ -62,45 +61,14 @@ def interleaved(
                 if dt >= min_time:
                     break
             best[k] = min(best[k], dt / n)
+        if each_round is not None:
+            each_round(rnd)
     return best
 
 
-# -- roofline --------------------------------------------------------------------------------
-class Roofline:
-    """The probes of this run's roofline, to time among the kernels (same interleaved rounds:
-    the machine is shared, each shape is judged against the roofline of its own rounds): an
-    n^3 GEMM in bf16 and in fp32 (the compute ceiling is the better: on a CPU without bf16
-    dot products torch's bf16 GEMM is far below its fp32 one) and a skinny matmul streaming a
-    [rows, 576] bf16 matrix of ``mbytes`` MiB (read bandwidth)."""
-
-    KEYS = ("_gemm_bf16", "_gemm_fp32", "_stream")
-
-    def __init__(self, n: int = 1024, mbytes: int = 256) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.n = n
-        self.a32 = torch.randn(n, n, generator=g)
-        self.b32 = torch.randn(n, n, generator=g)
-        self.a16, self.b16 = self.a32.bfloat16(), self.b32.bfloat16()
-        rows = mbytes * (1 << 20) // (576 * 2)
-        self.big = torch.randn(rows, 576, generator=g).bfloat16()
-        self.x = torch.randn(16, 576, generator=g).bfloat16()
-
-    def probes(self) -> dict[str, Callable[[], object]]:
-        return {
-            "_gemm_bf16": lambda: torch.mm(self.a16, self.b16),
-            "_gemm_fp32": lambda: torch.mm(self.a32, self.b32),
-            "_stream": lambda: torch.mm(self.x, self.big.t()),
-        }
-
-    def take(self, times: dict[str, float]) -> tuple[float, float, str]:
-        """Remove the probes' times from ``times``; (peak FLOP/s, read bytes/s, which GEMM)."""
-        flops = {k: 2 * self.n**3 / times.pop(f"_gemm_{k}") for k in ("bf16", "fp32")}
-        which = max(flops, key=lambda k: flops[k])
-        return flops[which], self.big.numel() * 2 / times.pop("_stream"), which
-
-
+# -- imitating a CPU of a lower level ----------------------------------------------------------
 #: per native ISA level: the environment that caps torch's own kernels (ATen's vector code,
-#: oneDNN, MKL) at that level, for :func:`isa_gemm_ceiling`
+#: oneDNN, MKL) at that level
 _ISA_ENV = {
     "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
                "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
@@ -113,21 +81,6 @@ _ISA_ENV = {
     "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
             "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }  # fmt: skip
-_GEMM_PROBE = """
-import time, torch
-n = 1024
-best = 0.0
-for dt in (torch.bfloat16, torch.float32):
-    a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-    torch.mm(a, b)
-    for _ in range(3):
-        k, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.2:
-            torch.mm(a, b)
-            k += 1
-        best = max(best, 2 * n**3 * k / (time.perf_counter() - t0))
-print(best)
-"""
 
 
 def capped_env(isa: str) -> dict[str, str]:
@@ -136,20 +89,6 @@ def capped_env(isa: str) -> dict[str, str]:
     if isa not in _ISA_ENV:
         raise ValueError(f"no torch cap for ISA level {isa!r}; supported: {sorted(_ISA_ENV)}")
     return dict(_ISA_ENV[isa])
-
-
-def isa_gemm_ceiling(isa: str) -> float:
-    """The compute ceiling of one ISA level on this CPU: the better of a bf16 and an fp32
-    1024^3 GEMM in a child process whose torch kernels are capped at that level (FLOP/s)."""
-    env = dict(os.environ, **_ISA_ENV.get(isa, {}))
-    out = subprocess.run([sys.executable, "-c", _GEMM_PROBE], env=env, capture_output=True,
-                         text=True, timeout=600, check=True)  # fmt: skip
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def roof_fraction(flops: float, nbytes: float, t: float, peak: float, bw: float) -> float:
-    """Achieved share of min(peak, intensity x bandwidth) for a kernel taking ``t`` seconds."""
-    return max(flops / peak, nbytes / bw) / t
 
 
 # -- tables and results ----------------------------------------------------------------------

@@ -29,8 +29,8 @@ Points = dict[str, list[tuple[float, float]]]
 def roofline_per_isa(name: str, points: Points, peak: float, bw: float,
                      ceilings: dict[str, float], out: Path | None = None,
                      subtitle: str | None = None) -> list[Path]:  # fmt: skip
-    """Write ``roofline-<isa>-latest.png`` per level of ``ceilings`` (ISA level -> its GEMM
-    ceiling) from ``points`` (kernel label -> [(FLOP/byte, FLOP/s)]; labels "ours <isa>
+    """Write ``roofline-<isa>-latest.png`` per level of ``ceilings`` (ISA level -> its own
+    compute ceiling) from ``points`` (kernel label -> [(FLOP/byte, FLOP/s)]; labels "ours <isa>
     <cache>" or "<peer> <cache>"), the run's roof (``peak``, ``bw``) and the level's own.
     ``subtitle`` names the CPU and setting (default: this process's CPU and torch capability)."""
     try:
@@ -49,9 +49,9 @@ def roofline_per_isa(name: str, points: Points, peak: float, bw: float,
     written = []
     for isa, ceiling in ceilings.items():
         fig, ax = plt.subplots(figsize=(9, 6))
-        roof = f"roof (in-run probes, median): {peak / 1e12:.2f} TFLOP/s, {bw / 1e9:.1f} GB/s"
+        roof = f"roof (run's best probes): {peak / 1e12:.2f} TFLOP/s, {bw / 1e9:.1f} GB/s"
         ax.plot(grid, [min(peak, bw * x) / 1e9 for x in grid], "-", color="black", label=roof)
-        own = min(peak, ceiling)
+        own = ceiling
         ax.plot(grid, [min(own, bw * x) / 1e9 for x in grid], "--", color="tab:blue",
                 label=f"{isa} ceiling: {own / 1e12:.3f} TFLOP/s")  # fmt: skip
         for label, pts in sorted(points.items()):
@@ -88,12 +88,16 @@ def roofline_per_isa(name: str, points: Points, peak: float, bw: float,
 @dataclass
 class DecodeRun:
     """One section of ``decode-latest.md``: its title line's time, host line, whether an
-    AVX2-only CPU was imitated, each level's GEMM ceiling (FLOP/s) and the table's points."""
+    AVX2-only CPU was imitated, each level's compute ceiling (FLOP/s), the table's points and
+    the run's roof: its best probes (``peak``, ``bw``) where the section states them (robust
+    roofline), else the medians of the per-shape probe columns (older sections)."""
 
     stamp: str
     host_line: str
     imitated: bool
     ceilings: dict[str, float] = field(default_factory=dict)
+    peak: float | None = None
+    bw: float | None = None
     points: Points = field(default_factory=dict)
     peaks: list[float] = field(default_factory=list)
     bws: list[float] = field(default_factory=list)
@@ -139,13 +143,21 @@ def parse_decode(text: str) -> list[DecodeRun]:
             tail = line.split("measured once before the shapes):", 1)[1]
             for isa, tf in re.findall(r"(\w+) ([\d.]+)", tail.replace("TFLOP/s", "")):
                 runs[-1].ceilings[isa] = float(tf) * 1e12
+        if runs and line.startswith("- compute ceiling for ours <isa>:"):
+            own, _, rest = line.partition("; for the peers: ")
+            for isa, tf in re.findall(r"(\w+) ([\d.]+) TFLOP/s \(", own):
+                runs[-1].ceilings[isa] = float(tf) * 1e12
+            peak, bw = re.match(r"([\d.]+) TFLOP/s", rest), re.search(r"; bw ([\d.]+) GB/s", rest)
+            if peak and bw:
+                runs[-1].peak, runs[-1].bw = float(peak[1]) * 1e12, float(bw[1]) * 1e9
         if runs and line.startswith("|") and not line.startswith("|-"):
             cells = _cells(line)
             if cells[0] == "H":
                 header = cells
-                need = ["H", "batch", "kv", "peak TF/s", "bw GB/s"]
-                if header[:5] != need:
-                    raise ValueError(f"decode table header {header[:5]}: expected {need}")
+                need = (["H", "batch", "kv", "peak TF/s", "bw GB/s"],
+                        ["H", "batch", "kv", "shape's GEMM TF/s", "shape's bw GB/s"])
+                if header[:5] not in need:
+                    raise ValueError(f"decode table header {header[:5]}: expected one of {need}")
                 continue
             H, B, L = (int(c) for c in cells[:3])
             runs[-1].peaks.append(float(cells[3].split()[0]) * 1e12)
@@ -178,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             if isa in drawn:
                 print(f"level {isa}: run {run.stamp} replaces run {drawn[isa]}")
             drawn[isa] = run.stamp
-        roofline_per_isa("decode", run.points, statistics.median(run.peaks),
-                         statistics.median(run.bws), ceilings, out=args.out,
+        peak = run.peak if run.peak is not None else statistics.median(run.peaks)
+        bw = run.bw if run.bw is not None else statistics.median(run.bws)
+        roofline_per_isa("decode", run.points, peak, bw, ceilings, out=args.out,
                          subtitle=run.subtitle())  # fmt: skip
     return 0
