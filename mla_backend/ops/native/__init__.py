@@ -5,6 +5,8 @@
   sve on aarch64), compiled at first use for the levels the CPU executes (:func:`host_isas`),
   the best one (or ``MLA_BACKEND_NATIVE_ISA``) selected (:func:`selected_isa`), each level's
   ops under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
+- :mod:`.build_lock`: each build / load under an OS lock, so a killed build's stale torch
+  ``lock`` file never blocks later loads (waits bounded by ``MLA_BACKEND_NATIVE_LOCK_TIMEOUT``);
 - :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
 - :mod:`.kernels`: :class:`Kernels`, the :class:`mla_backend.ops.KernelImpl` over them;
 - :mod:`.engine`: which compute engine runs the absorbed attention, per level and CPU;

@@ -26,7 +26,9 @@ This module owns:
   why;
 - the loader: ``torch.utils.cpp_extension.load`` into torch's extensions directory
   (``TORCH_EXTENSIONS_DIR``) under a name holding the level and a hash of the sources and
-  headers (and the SVE vector length). If there is no compiler / ninja, the platform is neither
+  headers (and the SVE vector length; ``_serial`` for the fallback build without OpenMP), one
+  build directory per name, each load under the OS lock of :mod:`.build_lock` (a build killed
+  midway never blocks later loads). If there is no compiler / ninja, the platform is neither
   x86-64 nor aarch64, or the build fails,
   :func:`available` returns False and one ``warnings.warn`` per level and process says why;
   importing never raises;
@@ -369,6 +371,8 @@ def _build(isa: str) -> None:
         raise RuntimeError(f"ISA level {isa!r} needs {', '.join(lack)}, which this CPU lacks")
     from torch.utils import cpp_extension
 
+    from .build_lock import locked_load
+
     cpp_extension.verify_ninja_availability()
     # the sources' hash is part of torch's cache key, but a header change alone is not: the
     # headers' text (and the flags) go into the extension name, with the level.
@@ -384,7 +388,7 @@ def _build(isa: str) -> None:
     for omp in (True, False):
         flags = level_flags(isa) + (["-fopenmp"] if omp else [])
         try:
-            cpp_extension.load(
+            locked_load(  # cpp_extension.load under our OS lock (:mod:`.build_lock`)
                 name=f"{_EXT_NAME}_{isa}{vl}_{h.hexdigest()[:12]}{'' if omp else '_serial'}",
                 sources=[str(_CSRC / s) for s in _SOURCES],
                 extra_cflags=flags,

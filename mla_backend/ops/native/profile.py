@@ -4,13 +4,13 @@ Each profile is a roofline (:class:`~mla_backend.cost.DeviceProfile`) whose peak
 own GEMM ceiling and whose efficiencies and per-request normal-path overhead are fitted to
 ``python -m benchmarks policy`` run at that level (``benchmarks/results/policy-history.md``):
 
-- default (``fp32``, ``avx512``, ``avx512_bf16``, unlisted levels): the avx512_bf16 fit
-  (2026-11-23, AMD Zen 4, bf16 MHA on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go
-  normal), kept until each of those levels is refitted on its own build;
+- default (``fp32``, ``avx512_bf16``, unlisted levels): the avx512_bf16 fit (2026-11-23, AMD
+  Zen 4, bf16 MHA on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go normal), kept until
+  each of those levels is refitted on its own build (``avx512_bf16`` on the Xeon: measured only
+  at load ~14 so far, a load artifact, not used);
 - ``avx2``: :data:`CPU_NATIVE_AVX2_PROFILE` (2026-11-24, Xeon SPR class with torch capped at AVX2);
+- ``avx512``: :data:`CPU_NATIVE_AVX512_PROFILE` (2026-11-24, Xeon SPR class, the fp32 engine);
 - ``amx``: :data:`CPU_NATIVE_AMX_PROFILE` (2026-11-24, Xeon SPR class, AMX attention engine).
-- ``avx512`` (the fp32 engine) was checked on that Xeon (2026-11-24 10:33Z): the default
-  profile picks 12/12 of H 16/128, P 0/1024, N 32/128/512 right.
 """
 
 from __future__ import annotations
@@ -65,12 +65,28 @@ CPU_NATIVE_AVX2_PROFILE = DeviceProfile(
     normal_overhead=2e-3,
 )
 
+#: Level ``avx512`` (AVX-512 F/BW/VL/DQ, no bf16 dot products: the fp32 engine, every op of both
+#: paths native, bf16 widened in registers): peak = the level's GEMM ceiling (0.211 TFLOP/s at 2
+#: threads, torch capped at the level, ``benchmarks/results/decode-history.md``); efficiencies and
+#: overhead fitted to ``python -m benchmarks policy`` at that level (2026-11-24 11:50Z, Xeon
+#: Sapphire Rapids class, load average 1.9, 5 interleaved rounds): 24 shapes (H 16/128, P
+#: 0/1024, N 32-1024), 23 right (the miss: H128 fresh 128, absorbed 28.2 vs normal 33.4 ms); the
+#: default profile it replaces picked 22/24. The same fit as ``avx2``'s, at this level's peak.
+CPU_NATIVE_AVX512_PROFILE = DeviceProfile(
+    peak_flops=0.211e12,
+    bandwidth=7.8e9,
+    absorbed_efficiency=1.5,
+    attn_efficiency=1.0,
+    cache_bytes=32 * 2**20,
+    normal_overhead=2e-3,
+)
+
 #: profile by ISA level of the native build (None: the level the loader picked)
 PROFILES: dict[str | None, DeviceProfile] = {
     None: CPU_NATIVE_PROFILE,
     "fp32": CPU_NATIVE_PROFILE,
     "avx2": CPU_NATIVE_AVX2_PROFILE,
-    "avx512": CPU_NATIVE_PROFILE,
+    "avx512": CPU_NATIVE_AVX512_PROFILE,
     "avx512_bf16": CPU_NATIVE_PROFILE,
     "amx": CPU_NATIVE_AMX_PROFILE,
 }
