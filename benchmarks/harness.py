@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mla_backend.testing import host
+from mla_backend.testing.cpu_imitation import CAPS
 from mla_backend.testing.engine_server import Server, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -99,20 +100,6 @@ class Roofline:
         return flops[which], self.big.numel() * 2 / times.pop("_stream"), which
 
 
-#: per native ISA level: the environment that caps torch's own kernels (ATen's vector code,
-#: oneDNN, MKL) at that level, for :func:`isa_gemm_ceiling`
-_ISA_ENV = {
-    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
-               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
-            "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-}  # fmt: skip
 _GEMM_PROBE = """
 import time, torch
 n = 1024
@@ -132,8 +119,9 @@ print(best)
 
 def isa_gemm_ceiling(isa: str) -> float:
     """The compute ceiling of one ISA level on this CPU: the better of a bf16 and an fp32
-    1024^3 GEMM in a child process whose torch kernels are capped at that level (FLOP/s)."""
-    env = dict(os.environ, **_ISA_ENV.get(isa, {}))
+    1024^3 GEMM in a child process whose torch kernels are capped at that level
+    (:data:`~mla_backend.testing.cpu_imitation.CAPS`; FLOP/s)."""
+    env = dict(os.environ, **CAPS.get(isa, {}))
     out = subprocess.run([sys.executable, "-c", _GEMM_PROBE], env=env, capture_output=True,
                          text=True, timeout=600, check=True)  # fmt: skip
     return float(out.stdout.strip().splitlines()[-1])
