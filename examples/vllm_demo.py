@@ -3,7 +3,8 @@ side by side with vLLM's in-tree AMX_MLA and CPU_MLA on the same prompts.
 
 Generates the built-in tiny model (config, WordLevel tokenizer, random safetensors weights;
 DeepSeek-V2-Lite attention dims: 16 heads, latent 512 + rope 64), runs each backend in its own
-fresh vLLM engine, and prints the generations, output tokens/s, KV-cache bytes per token and
+fresh vLLM engine, and prints the generations, output tokens/s (best of ``--iters`` timed runs
+on new prompts: on a shared 2-core machine one run is noise), KV-cache bytes per token and
 the attention-weight bytes per layer each backend holds beyond the checkpoint's ``kv_b_proj``
 (computed, see ``mla_backend/testing/vllm_runner.py``), the backend vLLM really ran, and the CPU
 and ISA level our native kernels run at. A backend that cannot run on this CPU (AMX_MLA's
@@ -13,7 +14,7 @@ CPU: <reason>"; the others are still printed. Exit status 0 unless MLA_ABSORB it
 (``mla_backend/testing/cpu_imitation.py``).
 
     python examples/vllm_demo.py [--model-dir DIR] [--max-tokens 24] [--kv-cache-dtype fp8_ds_mla]
-                                 [--imitate avx2]
+                                 [--iters 3] [--imitate avx2]
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default="/tmp/mla_demo_model")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument(
+        "--iters", type=int, default=3, help="timed runs per backend (new prompts; table: best)"
+    )
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument(
         "--kv-cache-dtype",
@@ -111,7 +115,7 @@ def main() -> int:
     model = make_tiny_deepseek_v2(args.model_dir, **PRESETS["default"], dtype="bfloat16")
     print(f"model: {model} (tiny DeepSeek-V2, 16 heads, kv_lora_rank 512 + rope 64, bf16)")
     prompts = demo_prompts()
-    wl = Workload("demo", len(prompts), 0, args.max_tokens, iters=1, texts=prompts)
+    wl = Workload("demo", len(prompts), 0, args.max_tokens, iters=args.iters, texts=prompts)
     engine = dict(dtype="bfloat16", max_model_len=2048)
     results, missing = run_all(
         str(model), args.backends.split(","), wl, engine, args.kv_cache_dtype, args.imitate
