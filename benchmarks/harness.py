@@ -66,31 +66,6 @@ def interleaved(
     return best
 
 
-# -- imitating a CPU of a lower level ----------------------------------------------------------
-#: per native ISA level: the environment that caps torch's own kernels (ATen's vector code,
-#: oneDNN, MKL) at that level
-_ISA_ENV = {
-    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
-               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
-            "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-}  # fmt: skip
-
-
-def capped_env(isa: str) -> dict[str, str]:
-    """The environment variables that cap torch's own kernels (ATen's vector code, oneDNN, MKL)
-    at native level ``isa``: with them an AVX-512 host imitates a CPU of that level."""
-    if isa not in _ISA_ENV:
-        raise ValueError(f"no torch cap for ISA level {isa!r}; supported: {sorted(_ISA_ENV)}")
-    return dict(_ISA_ENV[isa])
-
-
 # -- tables and results ----------------------------------------------------------------------
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A markdown table, columns right-aligned to their widest cell."""

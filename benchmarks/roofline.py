@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import capped_env
+from mla_backend.testing.cpu_imitation import CAPS
 
 MICRO_SRC = Path(__file__).resolve().parent / "micro" / "dot_throughput.cpp"
 
@@ -55,7 +55,7 @@ for dt in (torch.float32, torch.bfloat16)[: 2 if sys.argv[1] == "bf16" else 1]:
 def isa_gemm_ceiling(isa: str, bf16: bool = True) -> dict[str, float]:
     """torch's best 1024^3 GEMM in fp32 (and bf16) in a child process whose torch kernels are
     capped at ``isa``: {"fp32": FLOP/s, "bf16": FLOP/s}."""
-    env = dict(os.environ, **capped_env(isa))
+    env = dict(os.environ, **CAPS[isa])
     out = subprocess.run([sys.executable, "-c", _GEMM_PROBE, "bf16" if bf16 else "fp32"],
                          env=env, capture_output=True, text=True, timeout=600,
                          check=True)  # fmt: skip

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_backend.testing import host
+from mla_backend.testing.cpu_imitation import CAPS
 from mla_backend.testing.tiny_model import PRESETS, YARN_ROPE_SCALING, make_tiny_deepseek_v2
 from mla_backend.testing.vllm_backends import (
     FORCE_ENV,
@@ -375,7 +376,7 @@ def _apply_setting(ap: argparse.ArgumentParser, args: argparse.Namespace,
         if args.isa not in (None, "avx2"):
             ap.error(f"--imitate-avx2 runs our kernels at avx2, not at --isa {args.isa}")
         args.isa = "avx2"
-        want = {**harness.capped_env("avx2"), host.ISA_ENV: "avx2"}
+        want = {**CAPS["avx2"], host.ISA_ENV: "avx2"}
         if any(os.environ.get(k) != v for k, v in want.items()):
             cmd = [sys.executable, "-m", "benchmarks", "serve", *raw]
             os.execve(sys.executable, cmd, {**os.environ, **want})
@@ -399,7 +400,7 @@ def _setting_notes(args: argparse.Namespace, level: str, load0: float) -> list[s
     if args.imitate_avx2:
         torch_cap = (
             "torch's own kernels in this process and every server capped at AVX2 ("
-            + ", ".join(f"{k}={v}" for k, v in harness.capped_env("avx2").items())
+            + ", ".join(f"{k}={v}" for k, v in CAPS["avx2"].items())
             + f"; torch CPU capability {host.torch_capability()}): an AVX2-only CPU imitated "
             f"on {cpu}, which has AVX-512 and AMX"
         )

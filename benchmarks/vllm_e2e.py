@@ -2,13 +2,15 @@
 level this CPU runs, or ``--isas``) vs the in-tree CPU_MLA (every CPU) and AMX_MLA (where its
 kernels run) on the same model and workloads, interleaved (round r runs every engine once, in
 rotated order), one engine at a time, each in a fresh process
-(``mla_backend.testing.vllm_runner``).
+(``mla_backend.testing.vllm_runner``). ``--imitate avx2`` runs every engine on an imitated
+AVX2-only CPU (``mla_backend.testing.cpu_imitation``: torch capped, vLLM's CPU checks answering
+as there, our kernels at avx2 unless ``--isas`` names lower levels).
 
 Python equivalent of ``vllm bench latency`` (fixed batch, fixed input/output lengths, greedy,
 EOS ignored, best of N timed iterations after a warm-up). A backend that cannot run on this CPU
 or whose engine fails is a row "not available on this CPU: <reason>".
 
-    python -m benchmarks vllm [--quick] [--rounds 2] [--isas avx2,avx512_bf16]
+    python -m benchmarks vllm [--quick] [--rounds 2] [--isas avx2,avx512_bf16] [--imitate avx2]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import statistics
 import time
 from typing import Any
 
+from mla_backend.testing import cpu_imitation
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
 from mla_backend.testing.vllm_backends import FORCED_NOTE, unavailable_reason
 from mla_backend.testing.vllm_runner import EngineFailed, RunSpec, Workload, run_backend
@@ -51,17 +54,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="/tmp/mla_bench_models/lite")
     ap.add_argument("--isas", default=None, help="our ISA levels (default: all this CPU runs)")
     ap.add_argument("--peers", default=",".join(PEERS), help="in-tree backends to compare")
+    ap.add_argument("--imitate", default=None, choices=cpu_imitation.IMITABLE,
+                    help="run every engine on an imitated CPU of this level")  # fmt: skip
+    ap.add_argument("--workloads", default=None,
+                    help="comma-separated workload names (default: all)")  # fmt: skip
     args = ap.parse_args(argv)
 
-    isas = args.isas.split(",") if args.isas else list(harness.host_isas())
+    imitate = args.imitate
+    if args.isas:
+        isas = args.isas.split(",")
+    elif imitate:
+        isas = [imitate]
+    else:
+        isas = list(harness.host_isas())
     model = make_tiny_deepseek_v2(args.model_dir, **PRESETS["default"], dtype="bfloat16")
     wls = workloads(args.quick)
+    if args.workloads:
+        wanted = args.workloads.split(",")
+        unknown = sorted(set(wanted) - {w.name for w in wls})
+        if unknown:
+            ap.error(f"unknown workloads {unknown}; known: {[w.name for w in wls]}")
+        wls = [w for w in wls if w.name in wanted]
     max_len = max(w.input_len + w.output_len for w in wls) + 64
     engine = dict(dtype="bfloat16", max_model_len=max_len, skip_tokenizer_init=True)
     todo = engines(isas, args.peers.split(","))
     missing: dict[str, str] = {}
     for label, backend, _ in todo:
-        why = unavailable_reason(backend)
+        why = unavailable_reason(backend, imitate)
         if why is not None:
             missing[label] = why
     todo = [e for e in todo if e[0] not in missing]
@@ -73,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t = time.perf_counter()
             try:
-                res = run_backend(RunSpec(str(model), backend, wls, engine, isa=isa))
+                res = run_backend(
+                    RunSpec(str(model), backend, wls, engine, isa=isa, imitate=imitate)
+                )
             except EngineFailed as e:
                 missing[label] = f"engine failed: {e.reason}"
                 print(f"round {r} {label}: {missing[label]}", flush=True)
@@ -104,19 +125,24 @@ def main(argv: list[str] | None = None) -> int:
             x["native_isa"] if x["selected"] == "MLA_ABSORB" else "-", str(x["block_size"]),
             str(x["chunked_prefill"]), str(x["prefix_caching"]), str(x["kv_bytes_per_token"]),
             str(x.get("attn_weight_extra_bytes_per_layer", "-")),
+            x.get("torch_capability", "?"), x.get("vllm_kernels", "?"),
         ])  # fmt: skip
-    cfg_rows += [[b, f"not available on this CPU: {why}"] + [""] * 6 for b, why in missing.items()]
+    cfg_rows += [[b, f"not available on this CPU: {why}"] + [""] * 8 for b, why in missing.items()]
     body += "\n\n" + harness.table(
         ["engine", "selected", "native ISA", "block size", "chunked prefill", "prefix caching",
-         "KV bytes/token", "attention-weight bytes/layer beyond the checkpoint"], cfg_rows,
+         "KV bytes/token", "attention-weight bytes/layer beyond the checkpoint",
+         "torch capability", "vLLM kernels"], cfg_rows,
     )  # fmt: skip
-    notes = [
+    notes = [cpu_imitation.note(imitate)] if imitate else []
+    notes += [
         f"tiny DeepSeek-V2 ({model.name}: 16 heads, 512+64, nope 128, v 128, 2 layers, bf16); "
         f"{args.rounds} interleaved rounds; per round best of N timed runs; table = median over "
         "rounds of output tokens/s (latency in s); ratios > 1: ours faster",
         "selected: the backend the model's layers ran (vLLM's CPU platform serves a request for "
         "AMX_MLA with CPU_MLA on a CPU without AMX); native ISA: the level our kernels ran at "
-        "(MLA_BACKEND_NATIVE_ISA in that engine's environment)",
+        "(MLA_BACKEND_NATIVE_ISA in that engine's environment); torch capability, vLLM kernels: "
+        "what that engine's process reported (torch.backends.cpu.get_cpu_capability(), the "
+        "vLLM kernel library it mapped)",
         "attention-weight bytes per layer beyond the checkpoint's kv_b_proj: computed from the "
         "model's dims and each backend's weight handling "
         "(mla_backend/testing/vllm_runner.py, attn_weight_extra_bytes)",

@@ -3,14 +3,18 @@ side by side with vLLM's in-tree AMX_MLA and CPU_MLA on the same prompts.
 
 Generates the built-in tiny model (config, WordLevel tokenizer, random safetensors weights;
 DeepSeek-V2-Lite attention dims: 16 heads, latent 512 + rope 64), runs each backend in its own
-fresh vLLM engine, and prints the generations, output tokens/s, KV-cache bytes per token and
+fresh vLLM engine, and prints the generations, output tokens/s (best of ``--iters`` timed runs
+on new prompts: on a shared 2-core machine one run is noise), KV-cache bytes per token and
 the attention-weight bytes per layer each backend holds beyond the checkpoint's ``kv_b_proj``
 (computed, see ``mla_backend/testing/vllm_runner.py``), the backend vLLM really ran, and the CPU
 and ISA level our native kernels run at. A backend that cannot run on this CPU (AMX_MLA's
 kernels need AVX-512 and AVX512-BF16) or whose engine fails is one row "not available on this
 CPU: <reason>"; the others are still printed. Exit status 0 unless MLA_ABSORB itself failed.
+``--imitate avx2`` runs every engine on an imitated AVX2-only CPU
+(``mla_backend/testing/cpu_imitation.py``).
 
     python examples/vllm_demo.py [--model-dir DIR] [--max-tokens 24] [--kv-cache-dtype fp8_ds_mla]
+                                 [--iters 3] [--imitate avx2]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import sys
 from typing import Any
 
+from mla_backend.testing import cpu_imitation
 from mla_backend.testing.host import describe
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2, synthetic_words
 from mla_backend.testing.vllm_backends import FORCED_NOTE, unavailable_reason
@@ -39,13 +44,19 @@ def demo_prompts() -> list[str]:
 
 
 def run_all(
-    model: str, backends: list[str], wl: Workload, engine: dict[str, Any], kv_dtype: str
+    model: str,
+    backends: list[str],
+    wl: Workload,
+    engine: dict[str, Any],
+    kv_dtype: str,
+    imitate: str | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Each backend in its own engine: (results, reasons the others could not run)."""
+    """Each backend in its own engine (on an imitated CPU of level ``imitate`` when given):
+    (results, reasons the others could not run)."""
     results: dict[str, dict[str, Any]] = {}
     missing: dict[str, str] = {}
     for b in backends:
-        why = unavailable_reason(b)
+        why = unavailable_reason(b, imitate)
         if why is not None:
             print(f"skipping {b}: not available on this CPU: {why}", flush=True)
             missing[b] = why
@@ -53,7 +64,8 @@ def run_all(
         kv = kv_dtype if b == "MLA_ABSORB" else "auto"
         print(f"running {b} (kv cache {kv}) ...", flush=True)
         try:
-            results[b] = run_backend(RunSpec(model, b, [wl], dict(engine, kv_cache_dtype=kv)))
+            spec = RunSpec(model, b, [wl], dict(engine, kv_cache_dtype=kv), imitate=imitate)
+            results[b] = run_backend(spec)
         except EngineFailed as e:
             print(f"{b} failed: {e.reason}", flush=True)
             missing[b] = f"engine failed: {e.reason}"
@@ -84,6 +96,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", default="/tmp/mla_demo_model")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument(
+        "--iters", type=int, default=3, help="timed runs per backend (new prompts; table: best)"
+    )
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument(
         "--kv-cache-dtype",
@@ -91,16 +106,19 @@ def main() -> int:
         help="auto (bf16) | fp8 | fp8_ds_mla (MLA_ABSORB only; in-tree CPU backends refuse "
         "fp8 caches, so they run with auto)",
     )
+    ap.add_argument("--imitate", default=None, choices=cpu_imitation.IMITABLE,
+                    help="run every engine on an imitated CPU of this level")  # fmt: skip
     args = ap.parse_args()
+    host = describe() + (f"\n{cpu_imitation.note(args.imitate)}" if args.imitate else "")
 
-    print(describe())
+    print(host)
     model = make_tiny_deepseek_v2(args.model_dir, **PRESETS["default"], dtype="bfloat16")
     print(f"model: {model} (tiny DeepSeek-V2, 16 heads, kv_lora_rank 512 + rope 64, bf16)")
     prompts = demo_prompts()
-    wl = Workload("demo", len(prompts), 0, args.max_tokens, iters=1, texts=prompts)
+    wl = Workload("demo", len(prompts), 0, args.max_tokens, iters=args.iters, texts=prompts)
     engine = dict(dtype="bfloat16", max_model_len=2048)
     results, missing = run_all(
-        str(model), args.backends.split(","), wl, engine, args.kv_cache_dtype
+        str(model), args.backends.split(","), wl, engine, args.kv_cache_dtype, args.imitate
     )
 
     print()
@@ -109,7 +127,7 @@ def main() -> int:
         for b, r in results.items():
             print(f"  {b:>10}: {r['workloads'][0]['texts'][i][:100]}")
     print()
-    print(describe())
+    print(host)
     print_table(results, missing)
     print(
         "KV B/token: all layers, what the engine allocated (VLLM_CPU_KVCACHE_SPACE / blocks); "

@@ -9,6 +9,8 @@ AVX512-BF16 but no AMX they start its engine with :data:`SHIM_DIR` on ``PYTHONPA
 selects and configures AMX_MLA as on an AMX CPU and its kernels take their AVX-512 paths. Where
 those kernels cannot run (vLLM loads them from ``_C``, its AVX512-BF16 library, only on such a
 CPU: ``vllm/platforms/cpu.py``, ``import_kernels``), AMX_MLA is "not available on this CPU".
+An engine may also run on an imitated CPU with fewer instructions
+(:mod:`.cpu_imitation`: an AVX2-only one on this host); AMX_MLA is then not available either.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import signal
 from pathlib import Path
 
+from . import cpu_imitation
 from .host import ISA_ENV, has_amx
 
 SHIM_DIR = Path(__file__).resolve().parent / "amx_shim"
@@ -30,44 +33,63 @@ FORCED_NOTE = (
 )
 _USING = re.compile(r"Using (\w+) backend\.")
 _ERROR = re.compile(r"(Error|Exception|error:|Illegal instruction|Killed|Traceback)")
+# a process that died in C++ (an exception escaping an OpenMP region, an illegal instruction):
+# the engine's own last error ("RuntimeError: cancelled") only says a worker vanished
+_FATAL = re.compile(r"(terminate called after|what\(\):|Illegal instruction|Fatal Python error|"
+                    r"Worker proc \S+ died)")  # fmt: skip
+_VLLM_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]*\] ")
 
 
-def amx_mla_unavailable() -> str | None:
-    """Why AMX_MLA's kernels cannot run on this CPU, or None where they can: vLLM loads them
-    (its ``_C`` library) only where torch reports AVX-512 and AVX512-BF16
-    (``CpuPlatform.import_kernels``); elsewhere it loads ``_C_AVX512`` / ``_C_AVX2``, which lack
-    them, and an AMX_MLA engine dies at start-up."""
+def amx_mla_unavailable(imitate: str | None = None) -> str | None:
+    """Why AMX_MLA's kernels cannot run on this CPU (or on the CPU of level ``imitate``
+    imitated here, :mod:`.cpu_imitation`), or None where they can: vLLM loads them (its ``_C``
+    library) only where torch reports AVX-512 and AVX512-BF16 (``CpuPlatform.import_kernels``);
+    elsewhere it loads ``_C_AVX512`` / ``_C_AVX2``, which lack them, and an AMX_MLA engine dies
+    at start-up."""
     import torch
 
+    absent = cpu_imitation.ABSENT[cpu_imitation.check_level(imitate)] if imitate else ()
     missing = [
         name
-        for name, ok in (
-            ("AVX-512", torch.cpu._is_avx512_supported()),
-            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+        for name, check in (
+            ("AVX-512", "_is_avx512_supported"),
+            ("AVX512-BF16", "_is_avx512_bf16_supported"),
         )
-        if not ok
+        if check in absent or not getattr(torch.cpu, check)()
     ]
     if missing:
-        return (
-            "its kernels are in vLLM's AVX512-BF16 library (_C); this CPU lacks "
-            + " and ".join(missing)
+        cpu = f"the imitated {imitate.upper()}-only CPU" if imitate else "this CPU"
+        return f"its kernels are in vLLM's AVX512-BF16 library (_C); {cpu} lacks " + " and ".join(
+            missing
         )
     return None
 
 
-def unavailable_reason(backend: str) -> str | None:
-    """Why ``backend`` cannot run on this CPU (None: it can, or it is not ours to judge)."""
-    return amx_mla_unavailable() if backend == "AMX_MLA" else None
+def unavailable_reason(backend: str, imitate: str | None = None) -> str | None:
+    """Why ``backend`` cannot run on this CPU, or on the one of level ``imitate`` imitated
+    here (None: it can, or it is not ours to judge)."""
+    return amx_mla_unavailable(imitate) if backend == "AMX_MLA" else None
 
 
 def engine_env(
-    backend: str, env: dict[str, str] | None = None, isa: str | None = None
+    backend: str,
+    env: dict[str, str] | None = None,
+    isa: str | None = None,
+    imitate: str | None = None,
 ) -> tuple[dict[str, str], bool]:
     """The environment for an engine process running ``backend`` (our kernels at ``isa`` when
-    given); second item: True when AMX_MLA is forced on a CPU without AMX."""
+    given) on this CPU or, with ``imitate``, on an imitated CPU of that level
+    (:func:`.cpu_imitation.imitation_env`); second item: True when AMX_MLA is forced on a CPU
+    without AMX."""
     env = dict(os.environ if env is None else env)
     if isa is not None:
         env[ISA_ENV] = isa
+    if imitate is not None:
+        reason = unavailable_reason(backend, imitate)
+        if reason is not None:
+            raise RuntimeError(f"{backend} is not available on this CPU: {reason}")
+        env.pop(FORCE_ENV, None)
+        return cpu_imitation.imitation_env(env, imitate), False
     if backend != "AMX_MLA" or has_amx():
         env.pop(FORCE_ENV, None)
         return env, False
@@ -75,10 +97,7 @@ def engine_env(
     if reason is not None:
         raise RuntimeError(f"AMX_MLA is not available on this CPU: {reason}")
     env[FORCE_ENV] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SHIM_DIR), env.get("PYTHONPATH", "")) if p
-    )
-    return env, True
+    return cpu_imitation.prepend_pythonpath(env, SHIM_DIR), True
 
 
 def selected_from_log(text: str) -> str | None:
@@ -88,11 +107,15 @@ def selected_from_log(text: str) -> str | None:
 
 
 def failure_reason(log: str, returncode: int | None = None) -> str:
-    """A one-line reason an engine process failed: its last error line (else its last line),
-    and the signal that killed it."""
+    """A one-line reason an engine process failed: where a process died in C++ (``std::terminate``,
+    an illegal instruction, a worker that vanished) its first such lines, else its last error
+    line (else its last line); and the signal that killed it."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    fatal = list(dict.fromkeys(_VLLM_PREFIX.sub("", ln)[:160] for ln in lines if _FATAL.search(ln)))
     hits = [i for i, ln in enumerate(lines) if _ERROR.search(ln) and not ln.startswith("Traceback")]
-    if hits:  # the last error line, and the detail line after it (pydantic, torch checks)
+    if fatal:
+        why = " ".join(fatal[:3])
+    elif hits:  # the last error line, and the detail line after it (pydantic, torch checks)
         i = hits[-1]
         why = " ".join(lines[i : i + 2] if i + 1 < len(lines) and i + 1 not in hits else [lines[i]])
     else:

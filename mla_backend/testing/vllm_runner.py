@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,13 +46,15 @@ class Workload:
 @dataclass
 class RunSpec:
     """One engine run: ``backend`` on ``model``, our native kernels at ``isa`` (None: the
-    process's default level)."""
+    process's default level), on this CPU or on an imitated one of level ``imitate``
+    (:mod:`.cpu_imitation`)."""
 
     model: str
     backend: str
     workloads: list[Workload]
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     isa: str | None = None
+    imitate: str | None = None
 
 
 class EngineFailed(RuntimeError):
@@ -147,6 +150,38 @@ def attn_weight_extra_bytes(
     return generic
 
 
+def _process_tree(root: int) -> list[int]:
+    """``root`` and its descendants (Linux ``/proc``; ``[root]`` elsewhere)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    tree, todo = [root], [root]
+    while todo:
+        pid = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == pid]
+        tree += kids
+        todo += kids
+    return tree
+
+
+def loaded_vllm_kernels(root: int | None = None) -> str:
+    """Which of vLLM's CPU kernel libraries (``_C``, ``_C_AVX512``, ``_C_AVX2``) process
+    ``root`` (default: this one) and its descendants (the engine core, its workers) have
+    mapped, from their ``/proc/<pid>/maps``; "none" where none has."""
+    found: set[str] = set()
+    for pid in _process_tree(os.getpid() if root is None else root):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        found.update(re.findall(r"/vllm/(_C(?:_AVX\w+)?)\.abi3\.so", maps))
+    return ",".join(sorted(found)) or "none"
+
+
 def _child(spec: RunSpec) -> dict[str, Any]:
     import torch
     from vllm import LLM, SamplingParams
@@ -169,6 +204,8 @@ def _child(spec: RunSpec) -> dict[str, Any]:
         "backend": spec.backend,
         "amx_forced": os.environ.get(FORCE_ENV) == "1",
         "native_isa": selected_isa(),
+        "torch_capability": str(torch.backends.cpu.get_cpu_capability()),
+        "vllm_kernels": loaded_vllm_kernels(),
         "model_dtype": str(cfg.model_config.dtype).removeprefix("torch."),
         "startup_s": startup,
         "block_size": cfg.cache_config.block_size,
@@ -237,7 +274,7 @@ def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
     """Run ``spec`` in a fresh Python process and return its result dict; raise
     :class:`EngineFailed` (with the reason from the engine's log) when it fails."""
     try:
-        env, _ = engine_env(spec.backend, isa=spec.isa)
+        env, _ = engine_env(spec.backend, isa=spec.isa, imitate=spec.imitate)
     except RuntimeError as e:
         raise EngineFailed(spec.backend, str(e)) from e
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
