@@ -1,9 +1,11 @@
 """The grid conftest's opt-in tracing (``MLA_GRID_DUMP`` / ``MLA_GRID_RNG``,
-``integrations/vllm/upstream/grid_conftest.py``) on a stand-in for vLLM's test module: it
-draws its data from the global RNG as vLLM's does, and its backend writes into the cache."""
+``integrations/vllm/upstream/grid_conftest.py``) on a stand-in for vLLM's test module (it
+draws its data from the global RNG as vLLM's does, and its backend writes into the cache), and
+``upstream/trace_report.py`` (a dump scored against the float64 oracle) on a synthetic dump."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -12,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mla_backend.testing.reference import reference_mla_attention
 
 CONFTEST = Path(__file__).resolve().parents[1] / "upstream" / "grid_conftest.py"
 
@@ -100,8 +104,59 @@ def test_dump_and_replay(grid_folder: Path) -> None:
     rng = sorted(p.name for p in (d / "dump" / "rng").iterdir())
     assert rng == ["test_backend_correctness_MLA_ABSORB-bs2_.pt", CHUNKED]
     # the chunked case alone from its saved state sees the same data; without it, other data
-    _run(d, "-k", "chunked", MLA_GRID_RNG=str(d / "dump" / "rng" / CHUNKED),
-         FAKE_SEEN=str(d / "replay.pt"))  # fmt: skip
+    _run(d, "-k", "chunked", MLA_GRID_RNG=str(d / "dump" / "rng"), FAKE_SEEN=str(d / "replay.pt"))
     assert torch.equal(torch.load(d / "replay.pt")["query"], seen["query"])
     _run(d, "-k", "chunked", FAKE_SEEN=str(d / "alone.pt"))
     assert not torch.equal(torch.load(d / "alone.pt")["query"], seen["query"])
+
+
+def _trace_report():
+    path = CONFTEST.with_name("trace_report.py")
+    spec = importlib.util.spec_from_file_location("trace_report", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trace_report_reads_the_paged_cache() -> None:
+    """The report's truth is the oracle's float64 value of the sequences that were paged into
+    a shuffled cache (unused slots hold noise), and it names the one element perturbed."""
+    tr = _trace_report()
+    g = torch.Generator().manual_seed(0)
+    H, r, nope, rope, v, bs = 2, 16, 8, 4, 6, 4
+    prefix, new = [5, 0, 9], [3, 2, 1]
+    rand = lambda *s: torch.randn(*s, generator=g).bfloat16()  # noqa: E731
+    c_kv = [rand(P + n, r) for P, n in zip(prefix, new)]
+    k_pe = [rand(P + n, rope) for P, n in zip(prefix, new)]
+    blocks = [-(-(P + n) // bs) for P, n in zip(prefix, new)]
+    ids = (torch.randperm(sum(blocks), generator=g) + 1).tolist()
+    cache = rand(sum(blocks) + 3, 1, bs, r + rope)
+    table = torch.zeros(len(new), max(blocks), dtype=torch.int32)
+    for i, P in enumerate(prefix):
+        table[i, : blocks[i]] = torch.tensor(ids[: blocks[i]])
+        del ids[: blocks[i]]
+        for p in range(P):
+            cache[table[i, p // bs], 0, p % bs] = torch.cat([c_kv[i][p], k_pe[i][p]])
+    q = rand(sum(new), H, nope + rope)
+    W = (torch.randn(H * (nope + v), r, generator=g) / 4).bfloat16()
+    exact = reference_mla_attention(
+        q[..., :nope], q[..., nope:], c_kv, k_pe, W, nope, v, new, dtype=torch.float64
+    ).reshape(sum(new), -1)
+    ref = exact.bfloat16()
+    ref[2, 5] += 0.25  # token 2: request 0's third new token; head 0, dim 5
+    dump = {
+        "query": q, "kv_b_weight": W, "kv_cache": cache, "block_table": table,
+        "kv_c": torch.cat([c[P:] for c, P in zip(c_kv, prefix)]),
+        "k_pe": torch.cat([k[P:] for k, P in zip(k_pe, prefix)])[:, None, :],
+        "seq_lens": torch.tensor([P + n for P, n in zip(prefix, new)]),
+        "query_start_loc": torch.tensor([0, 3, 5, 6]), "block_size": bs, "kv_lora_rank": r,
+        "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
+        "output": exact.bfloat16(), "reference": ref,
+    }  # fmt: skip
+    assert torch.equal(tr.truth_and_models(dump)["truth"], exact)
+    lines = tr.report(dump, {"again": dict(dump)})
+    assert lines[0].endswith(": 1 rejected")
+    assert lines[1].startswith("  token 2 (request 0, new token 2) head 0 dim 5:")
+    assert "rejected vs grid ref 1" in lines[-1]
+    with pytest.raises(ValueError, match="kv_cache differs"):
+        tr.report(dump, {"other": dict(dump, kv_cache=cache + 1)})
