@@ -16,7 +16,7 @@ import torch
 import mla_backend as mb
 from mla_backend.ops import impl_name
 from mla_backend.testing.cases import make_case
-from mla_backend.testing.reference import plain_attention
+from mla_backend.testing.reference import plain_attention, reference_mla_attention
 
 IMPLS = sorted({"torch", impl_name(torch.device("cpu"), "native")})
 
@@ -117,3 +117,29 @@ def test_normal_chunked_prefix_as_accurate_as_plain_reference(impl, dtype, H) ->
     exact, exact_lse = _normal_refs(case, scale, None)
     plain, plain_lse = _normal_refs(case, scale, dtype)
     _check(o, lse, exact, exact_lse, plain, plain_lse, f"{impl} normal H={H} {dtype}")
+
+
+def test_oracle_in_float64_is_exact() -> None:
+    """``reference_mla_attention(dtype=float64)`` (what traces of others' references compare
+    against) is the exact value of its bf16 inputs: plain_attention's float64 evaluation of
+    K/V decompressed here from ``kv_b`` agrees to 1e-12; its fp32 default is off by fp32
+    rounding only."""
+    case = make_case(_dims(16), [40, 0, 17], [8, 5, 1], 16, dtype=torch.bfloat16, seed=3)
+    d = case.dims
+    nope, v = d.qk_nope_head_dim, d.v_head_dim
+    args = (case.q_nope, case.q_pe, case.c_kv, case.k_pe, case.kv_b, nope, v, case.batch.new_lens)
+    o64 = reference_mla_attention(*args, dtype=torch.float64)
+    w = case.kv_b.double().reshape(d.num_heads, nope + v, -1)
+    exact, t = [], 0
+    for c, kp, P, n in zip(case.c_kv, case.k_pe, case.batch.prefix_lens, case.batch.new_lens):
+        k_nope = torch.einsum("lr,hdr->lhd", c.double(), w[:, :nope])
+        vv = torch.einsum("lr,hdr->lhd", c.double(), w[:, nope:])
+        k = torch.cat([k_nope, kp.double()[:, None, :].expand(-1, d.num_heads, -1)], -1)
+        q = torch.cat([case.q_nope[t : t + n], case.q_pe[t : t + n]], -1)
+        exact.append(plain_attention(q, k, vv, P, d.default_softmax_scale, None)[0])
+        t += n
+    exact = torch.cat(exact)
+    assert o64.dtype == torch.float64
+    assert (o64 - exact).abs().max().item() < 1e-12
+    err32 = (reference_mla_attention(*args).double() - exact).abs().max().item()
+    assert 1e-9 < err32 < 1e-4

@@ -1,4 +1,5 @@
-"""The oracle: the DeepSeek-V2 paper's decompressed MLA attention, written plainly in fp32.
+"""The oracle: the DeepSeek-V2 paper's decompressed MLA attention, written plainly in fp32
+(or float64: ``dtype``).
 
 It takes the raw ``kv_b_proj`` weight and contiguous per-request latents, and does its own
 split, decompression, causal mask and softmax from the formulas (appendix C of the paper),
@@ -22,6 +23,7 @@ def reference_mla_attention(
     v_head_dim: int,
     new_lens: list[int],
     softmax_scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Decompressed causal MHA for a ragged batch.
 
@@ -33,25 +35,27 @@ def reference_mla_attention(
         new_lens: per request number of new (query) tokens, which are the last ones of
             the sequence; query rows are packed in request order.
         softmax_scale: defaults to 1/sqrt(nope + rope).
+        dtype: the precision of every step (float32, or float64 for the exact value of the
+            given inputs).
     Returns:
-        [T, H, v] float32.
+        [T, H, v] in ``dtype``.
     """
     T, H, nope = q_nope.shape
     rope = q_pe.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(nope + rope)
-    w = kv_b_weight.float().reshape(H, nope + v_head_dim, -1)
+    w = kv_b_weight.to(dtype).reshape(H, nope + v_head_dim, -1)
     w_k, w_v = w[:, :nope, :], w[:, nope:, :]
-    out = torch.zeros(T, H, v_head_dim)
+    out = torch.zeros(T, H, v_head_dim, dtype=dtype)
     row = 0
     for c_kv, k_pe, n in zip(c_kv_seqs, k_pe_seqs, new_lens, strict=True):
         L = c_kv.shape[0]
-        ckv = c_kv.float().cpu()
-        kpe = k_pe.float().cpu()
+        ckv = c_kv.to(dtype).cpu()
+        kpe = k_pe.to(dtype).cpu()
         k_nope = torch.einsum("lr,hdr->hld", ckv, w_k.cpu())  # [H, L, nope]
         v = torch.einsum("lr,hdr->hld", ckv, w_v.cpu())  # [H, L, v]
         k = torch.cat([k_nope, kpe.unsqueeze(0).expand(H, L, rope)], dim=-1)
-        q = torch.cat([q_nope[row : row + n].float().cpu(), q_pe[row : row + n].float().cpu()], -1)
+        q = torch.cat([q_nope[row : row + n], q_pe[row : row + n]], -1).to(dtype).cpu()
         q = q.transpose(0, 1)  # [H, n, nope + rope]
         scores = torch.matmul(q, k.transpose(1, 2)) * softmax_scale  # [H, n, L]
         qpos = torch.arange(L - n, L).unsqueeze(1)

@@ -26,17 +26,29 @@ as ``conftest.py`` by ``run_grid.py``). What CPU needs, each with its reason:
   that reason instead of as a pass.
 * ``MLA_GRID_SELECT=slice`` keeps the CI slice (:data:`SLICE`); ``all`` keeps every case.
 * A per-row-kind passed/skipped/failed summary (and ``MLA_GRID_REPORT``, JSON).
+* Tracing, opt-in (off unless set): ``MLA_GRID_DUMP=<dir>`` saves the torch / numpy /
+  ``random`` RNG state at the start of each grid case (``<dir>/rng/<case>.pt``; vLLM's test
+  draws its data from the global RNG, seeded once at import, so a case's data depend on the
+  cases before it) and, for the chunked-context test, the inputs ``run_attention_backend``
+  gets, its output and the SDPA reference it is compared with (``<dir>/<case>.pt``).
+  ``MLA_GRID_RNG=<file>`` restores a saved state before each grid case (``<dir>/rng``: each
+  case its own): run a case alone with the state it had in a long selection and it sees the
+  same data.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import json
 import os
+import random
+import re
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import torch
 from vllm.plugins import load_general_plugins
@@ -222,6 +234,88 @@ def workspace_init():
         init_workspace_manager(torch.device(0))
     yield
     reset_workspace_manager()
+
+
+# -- tracing (opt-in): RNG state per case, the chunked-context test's data --------------------
+
+DUMP = os.environ.get("MLA_GRID_DUMP")
+RNG_FILE = os.environ.get("MLA_GRID_RNG")
+
+
+def _case_file(item) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", item.name)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture runs: restore ``MLA_GRID_RNG``'s state, then save the state."""
+    if "mla_grid_target" not in getattr(getattr(item, "callspec", None), "params", {}):
+        return
+    if RNG_FILE:
+        path = RNG_FILE
+        if os.path.isdir(path):  # a dump's rng/ folder: each case its own state
+            path = os.path.join(path, _case_file(item) + ".pt")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"MLA_GRID_RNG={RNG_FILE}: no saved state {path}")
+        state = torch.load(path, weights_only=False)
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["random"])
+        print(f"[vllm-grid] {item.name}: RNG state restored from {path}", flush=True)
+    if DUMP:
+        os.makedirs(os.path.join(DUMP, "rng"), exist_ok=True)
+        state = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "random": random.getstate(),
+        }
+        torch.save(state, os.path.join(DUMP, "rng", _case_file(item) + ".pt"))
+
+
+@pytest.fixture(autouse=True)
+def _mla_grid_dump(request, monkeypatch):
+    """With ``MLA_GRID_DUMP``, the chunked-context test's backend inputs (the paged cache as
+    the backend receives it), output and SDPA reference go to ``<dir>/<case>.pt``."""
+    if not DUMP or request.node.originalname != "test_chunked_context_backend_correctness":
+        yield
+        return
+    mod = request.module
+    run = mod.run_attention_backend
+    sig = inspect.signature(run)
+    got: dict = {}
+    allclose = torch.allclose
+
+    def run_and_keep(*args, **kwargs):
+        a = sig.bind(*args, **kwargs).arguments
+        md = a["common_attn_metadata"]
+        got.update(
+            {k: a[k].clone() for k in ("query", "kv_c", "k_pe", "kv_cache")},
+            kv_b_weight=a["mock_kv_b_proj"].weight.detach().clone(),
+            block_table=md.block_table_tensor.clone(),
+            seq_lens=md.seq_lens.clone(),
+            query_start_loc=md.query_start_loc.clone(),
+            slot_mapping=md.slot_mapping.clone(),
+            **{k: a[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                 "v_head_dim", "q_scale", "k_scale", "kv_cache_dtype")},
+            block_size=a["kv_cache_spec"].block_size,
+            backend=a["backend"].name,
+        )  # fmt: skip
+        got["output"] = out = run(*args, **kwargs)
+        return out
+
+    def allclose_and_keep(a, b, *args, **kwargs):
+        if a is got.get("output"):
+            got["reference"] = b.clone()
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "run_attention_backend", run_and_keep)
+    monkeypatch.setattr(torch, "allclose", allclose_and_keep)
+    yield
+    if got:
+        path = os.path.join(DUMP, _case_file(request.node) + ".pt")
+        os.makedirs(DUMP, exist_ok=True)
+        torch.save(got, path)
+        print(f"[vllm-grid] {request.node.name}: data saved to {path}", flush=True)
 
 
 # -- the CI slice ----------------------------------------------------------------------------
