@@ -230,3 +230,21 @@ def test_more_bad_inputs_name_the_value() -> None:
         mb.MLAAttention(mb.MLADims(2, 8, 4, 2, 6), mb.AbsorbWeights(w.W_UK, w.W_UV))
     with pytest.raises(ValueError, match="'factor'"):
         mb.yarn_softmax_scale(d, {"type": "yarn"})
+
+
+def test_impl_choice_follows_the_environment(monkeypatch) -> None:
+    """get_impl resolves a choice once per process, yet a changed MLA_BACKEND_IMPL (or a bad
+    value) is honoured on the next call."""
+    from mla_backend.ops import ENV_VAR, get_impl, impl_name
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert get_impl(cpu).name == "torch"
+    monkeypatch.delenv(ENV_VAR)
+    auto = get_impl(cpu)
+    assert auto.name == impl_name(cpu) and get_impl(cpu) is auto
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert get_impl(cpu).name == "torch"
+    monkeypatch.setenv(ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="MLA_BACKEND_IMPL='bogus'"):
+        get_impl(cpu)
