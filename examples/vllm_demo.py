@@ -14,7 +14,7 @@ CPU: <reason>"; the others are still printed. Exit status 0 unless MLA_ABSORB it
 (``mla_backend/testing/cpu_imitation.py``).
 
     python examples/vllm_demo.py [--model-dir DIR] [--max-tokens 24] [--kv-cache-dtype fp8_ds_mla]
-                                 [--iters 3] [--imitate avx2]
+                                 [--iters 3] [--imitate avx2] [--profile-dir DIR]
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ def run_all(
     engine: dict[str, Any],
     kv_dtype: str,
     imitate: str | None = None,
+    profile_dir: str | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Each backend in its own engine (on an imitated CPU of level ``imitate`` when given):
+    """Each backend in its own engine (on an imitated CPU of level ``imitate`` when given; one
+    more generate under vLLM's torch profiler, files in ``profile_dir``, when given):
     (results, reasons the others could not run)."""
     results: dict[str, dict[str, Any]] = {}
     missing: dict[str, str] = {}
@@ -64,7 +66,8 @@ def run_all(
         kv = kv_dtype if b == "MLA_ABSORB" else "auto"
         print(f"running {b} (kv cache {kv}) ...", flush=True)
         try:
-            spec = RunSpec(model, b, [wl], dict(engine, kv_cache_dtype=kv), imitate=imitate)
+            spec = RunSpec(model, b, [wl], dict(engine, kv_cache_dtype=kv), imitate=imitate,
+                           profile_dir=profile_dir)  # fmt: skip
             results[b] = run_backend(spec)
         except EngineFailed as e:
             print(f"{b} failed: {e.reason}", flush=True)
@@ -108,6 +111,9 @@ def main() -> int:
     )
     ap.add_argument("--imitate", default=None, choices=cpu_imitation.IMITABLE,
                     help="run every engine on an imitated CPU of this level")  # fmt: skip
+    ap.add_argument("--profile-dir", default=None,
+                    help="also profile one generate per backend with vLLM's torch profiler; "
+                    "its op tables (<backend>-demo_*.profiler_out.txt) land here")  # fmt: skip
     args = ap.parse_args()
     host = describe() + (f"\n{cpu_imitation.note(args.imitate)}" if args.imitate else "")
 
@@ -118,7 +124,13 @@ def main() -> int:
     wl = Workload("demo", len(prompts), 0, args.max_tokens, iters=args.iters, texts=prompts)
     engine = dict(dtype="bfloat16", max_model_len=2048)
     results, missing = run_all(
-        str(model), args.backends.split(","), wl, engine, args.kv_cache_dtype, args.imitate
+        str(model),
+        args.backends.split(","),
+        wl,
+        engine,
+        args.kv_cache_dtype,
+        args.imitate,
+        args.profile_dir,
     )
 
     print()

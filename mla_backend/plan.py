@@ -116,8 +116,14 @@ class MLAPlan:
         object.__setattr__(self, "max_page_id", fresh.max_page_id)
 
 
-def _int32(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=device)
+def _int32_views(
+    lists: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """One int32 tensor per list, made as views of one buffer (one ``torch.tensor`` call, one
+    host-to-device copy per step instead of one per list: ~5-10 us each on a CPU)."""
+    flat = [v for values in lists for v in values]
+    buf = torch.tensor(flat, dtype=torch.int32, device=device)
+    return tuple(buf.split([len(values) for values in lists]))
 
 
 def _host_pages(
@@ -193,8 +199,11 @@ def _part(
     block_q, splits = impl.work_shape(dims, new, kv, device)
     q_req = [i for i, n in enumerate(new) for _ in range(0, n, block_q)]
     q_start = [q0 for n in new for q0 in range(0, n, block_q)]
+    q_req_t, q_start_t, kv_t, prefix_t, new_t, cu_t = _int32_views(
+        (q_req, q_start, kv, prefix, new, cu), device
+    )
     work = WorkPartition(
-        block_q, _int32(q_req, device), _int32(q_start, device), splits,
+        block_q, q_req_t, q_start_t, splits,
         _schedule(impl, dims, new, kv, block_q, splits, device, table, ps),
     )
     return PlanPart(
@@ -207,10 +216,10 @@ def _part(
         max_page_id=_max_page_id(pages),
         rows=rows,
         block_table=table,
-        kv_lens_t=_int32(kv, device),
-        prefix_lens_t=_int32(prefix, device),
-        new_lens_t=_int32(new, device),
-        cu_new_t=_int32(cu, device),
+        kv_lens_t=kv_t,
+        prefix_lens_t=prefix_t,
+        new_lens_t=new_t,
+        cu_new_t=cu_t,
         work=work,
     )
 

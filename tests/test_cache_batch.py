@@ -87,6 +87,16 @@ def test_plan_parts_and_rows() -> None:
     assert p.absorbed.kv_lens_t.tolist() == [6, 11]
     assert torch.equal(p.absorbed.block_table, bt[[1, 2]])
     assert p.absorbed.pages == ((4, 5), (8, 9, 10)) and p.max_page_id == 10
+    for part in (p.step, p.absorbed, p.normal):  # every index tensor holds its host data
+        assert part.prefix_lens_t.tolist() == list(part.prefix_lens)
+        assert part.new_lens_t.tolist() == list(part.new_lens)
+        assert part.cu_new_t.tolist() == list(part.cu_new)
+        assert part.kv_lens_t.tolist() == list(part.kv_lens)
+        w = part.work
+        blocks = list(zip(w.q_block_req.tolist(), w.q_block_start.tolist(), strict=True))
+        assert blocks == [  # each request's new tokens cut into blocks of block_q, in order
+            (i, q0) for i, n in enumerate(part.new_lens) for q0 in range(0, n, w.block_q)
+        ]
     whole = mb.plan(b, d, mb.Policy("absorb"), impl="torch")
     assert whole.absorbed is whole.step and whole.step.rows is None and whole.normal is None
 
@@ -220,3 +230,21 @@ def test_more_bad_inputs_name_the_value() -> None:
         mb.MLAAttention(mb.MLADims(2, 8, 4, 2, 6), mb.AbsorbWeights(w.W_UK, w.W_UV))
     with pytest.raises(ValueError, match="'factor'"):
         mb.yarn_softmax_scale(d, {"type": "yarn"})
+
+
+def test_impl_choice_follows_the_environment(monkeypatch) -> None:
+    """get_impl resolves a choice once per process, yet a changed MLA_BACKEND_IMPL (or a bad
+    value) is honoured on the next call."""
+    from mla_backend.ops import ENV_VAR, get_impl, impl_name
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert get_impl(cpu).name == "torch"
+    monkeypatch.delenv(ENV_VAR)
+    auto = get_impl(cpu)
+    assert auto.name == impl_name(cpu) and get_impl(cpu) is auto
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert get_impl(cpu).name == "torch"
+    monkeypatch.setenv(ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="MLA_BACKEND_IMPL='bogus'"):
+        get_impl(cpu)

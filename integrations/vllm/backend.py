@@ -198,12 +198,12 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         at hand, so the plan skips the host page-id check)."""
         m = common_attn_metadata
         n = m.num_reqs
-        qsl = m.query_start_loc_cpu[: n + 1].to(torch.int64)
-        new_lens = (qsl[1:] - qsl[:-1]).tolist()
+        qsl = m.query_start_loc_cpu[: n + 1].tolist()  # host ints, one conversion each
+        new_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)]
         seq_host = getattr(m, "seq_lens_cpu", None)
         if seq_host is None:
             seq_host = m.seq_lens
-        seq_lens = seq_host[:n].to("cpu", torch.int64).tolist()
+        seq_lens = seq_host[:n].tolist()
         prefix_lens = [s - q for s, q in zip(seq_lens, new_lens, strict=True)]
         batch = mb.MLABatch.build(
             prefix_lens,

@@ -193,6 +193,13 @@ def _native_available() -> bool:
 
 
 _DEFAULTS: dict[str, KernelImpl] = {}
+#: the variable that picks the native kernels' ISA level (``mla_backend.ops.native.build.ENV_ISA``;
+#: named here so the seam need not import the native loader on every call)
+_ENV_NATIVE_ISA = "MLA_BACKEND_NATIVE_ISA"
+#: each asked-for choice, resolved once: (device type, name asked, ``MLA_BACKEND_IMPL``,
+#: ``MLA_BACKEND_NATIVE_ISA``) -> implementation. Per-layer calls ask on every call; resolving
+#: anew (the native loader re-deriving the host's ISA levels) cost ~20 us each time.
+_RESOLVED: dict[tuple[str, str | None, str | None, str | None], KernelImpl] = {}
 
 
 def get_impl(device: torch.device, override: str | KernelImpl | None = None) -> KernelImpl:
@@ -201,7 +208,11 @@ def get_impl(device: torch.device, override: str | KernelImpl | None = None) -> 
         if not isinstance(override, KernelImpl):
             raise ValueError(f"impl={override!r} is not a name or a KernelImpl")
         return override
-    name = impl_name(device, override)
-    if name not in _DEFAULTS:
-        _DEFAULTS[name] = importlib.import_module(f"mla_backend.ops.{name}").Kernels()
-    return _DEFAULTS[name]
+    key = (device.type, override, os.environ.get(ENV_VAR), os.environ.get(_ENV_NATIVE_ISA))
+    impl = _RESOLVED.get(key)
+    if impl is None:
+        name = impl_name(device, override)
+        if name not in _DEFAULTS:
+            _DEFAULTS[name] = importlib.import_module(f"mla_backend.ops.{name}").Kernels()
+        impl = _RESOLVED[key] = _DEFAULTS[name]
+    return impl

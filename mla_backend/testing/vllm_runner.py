@@ -7,6 +7,11 @@ backend runs in its own fresh process (``python -m mla_backend.testing.vllm_runn
 as JSON on stdin) so only one engine is alive at a time and every backend starts from the same
 state. The child prints one JSON line prefixed with ``RESULT:``; an engine that fails to start
 or run raises :class:`EngineFailed` with the reason from its log.
+
+``RunSpec.profile_dir`` adds one generate per workload under vLLM's torch profiler
+(``profiler_config={"profiler": "torch"}``, after the timed runs, on prompts no run has seen):
+the engine's worker writes its trace and ``<backend>-<workload>_<rank>.profiler_out.txt`` (the op
+table, CPU time of the worker) to ``profile_dir``.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class RunSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     isa: str | None = None
     imitate: str | None = None
+    profile_dir: str | None = None
 
 
 class EngineFailed(RuntimeError):
@@ -191,6 +197,14 @@ def _child(spec: RunSpec) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     kwargs = dict(spec.engine_kwargs)
+    if spec.profile_dir is not None:
+        kwargs["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": str(Path(spec.profile_dir).resolve()),
+            "torch_profiler_use_gzip": False,
+            "torch_profiler_with_stack": False,
+            "ignore_frontend": True,
+        }
     llm = LLM(spec.model, attention_backend=spec.backend, seed=0, **kwargs)
     startup = time.perf_counter() - t0
     cfg = llm.llm_engine.vllm_config
@@ -250,6 +264,10 @@ def _child(spec: RunSpec) -> dict[str, Any]:
             if it == 0:
                 outs = res
         assert outs is not None
+        profiled_s = None
+        if spec.profile_dir is not None:
+            profiled_s = _profiled_generate(llm, make_prompts(w.iters + 1), sp,
+                                            f"{spec.backend}-{w.name}")  # fmt: skip
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(o.prompt_token_ids or []) for o in outs)
         best = min(times)
@@ -261,6 +279,7 @@ def _child(spec: RunSpec) -> dict[str, Any]:
                 "output_tokens": n_out,
                 "latency_s": best,
                 "latency_all_s": times,
+                "profiled_s": profiled_s,
                 "output_tok_s": n_out / best,
                 "total_tok_s": (n_in + n_out) / best,
                 "texts": [o.outputs[0].text for o in outs] if w.texts is not None else None,
@@ -268,6 +287,18 @@ def _child(spec: RunSpec) -> dict[str, Any]:
             }
         )
     return result
+
+
+def _profiled_generate(llm: Any, prompts: list[Any], sp: Any, name: str) -> float:
+    """One generate under vLLM's torch profiler (the engine was made with a
+    ``profiler_config``): the worker writes ``<name>_<rank>.profiler_out.txt`` (the op table)
+    and its trace to the profiler's directory. Returns the generate's wall s."""
+    llm.start_profile(name)
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    llm.stop_profile()
+    return wall
 
 
 def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
@@ -286,6 +317,7 @@ def run_backend(spec: RunSpec, timeout: float = 1800.0) -> dict[str, Any]:
             "backend": spec.backend,
             "engine_kwargs": spec.engine_kwargs,
             "workloads": [asdict(w) for w in spec.workloads],
+            "profile_dir": spec.profile_dir,
         }
     )
     try:
@@ -319,6 +351,7 @@ def main() -> None:
         backend=raw["backend"],
         engine_kwargs=raw["engine_kwargs"],
         workloads=[Workload(**w) for w in raw["workloads"]],
+        profile_dir=raw.get("profile_dir"),
     )
     result = _child(spec)
     print(_PREFIX + json.dumps(result), flush=True)
