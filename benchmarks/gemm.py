@@ -1,18 +1,21 @@
 """``python -m benchmarks gemm``: GEMM-shaped native kernels per ISA level against torch: the
-absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` (``native.head_gemm``), the normal path's MHA
-(``native.attention_with_lse``) and its decompression (``native.decompress``).
+absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` (``native.head_gemm``) at decode shapes,
+the normal path's MHA (``native.attention_with_lse``) and its decompression (``native.decompress``).
 
-Each level's build runs the same data (``isa=`` of the op wrappers); torch runs ``torch.bmm``
-in fp32 and bf16, its CPU flash SDPA and the ``torch.mm`` decompression. Times are the CPU time
-of the calling thread with ``torch.set_num_threads(1)`` (``time.thread_time``, best of N): on a
-shared machine a preempted run then costs nothing extra, so numbers are per core.
+The head GEMM table (``--what gemm``) runs one child process per level with torch's kernels
+capped at that level (``cpu_imitation.CAPS``: at avx2, torch's bmm as on an AVX2-only CPU):
+torch's bmm in fp32 and bf16, the ``--base`` revision's head_gemm (built beside this tree's by
+``benchmarks/native_base.py``) and this tree's, on the same data, every call on the next of
+256 MiB of weight copies (weights from memory, as in a model's decode), next to the stream floor
+(packed weight bytes / the single-core stream of ``benchmarks/micro/dot_throughput.cpp``) and
+the FMA floor (FLOP / that level's one-core FMA peak). MHA and decompression run in this process
+(torch uncapped). Times are the CPU time of the calling thread with ``torch.set_num_threads(1)``
+(``time.thread_time``, best of N): on a shared machine a preempted run then costs nothing extra,
+so numbers are per core. Name the real CPU in any result.
 
-To stand in for a CPU without AVX-512 on an AVX-512 host, run with ``--isas avx2,scalar`` and
-torch limited by ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (name the real CPU in any
-result: torch's own oneDNN routing is only approximately that of a real AVX2 CPU).
-
-    python -m benchmarks gemm [--isas amx,avx512_bf16,avx512,avx2]
-        [--tokens 1,8,64,512] [--mha-lens 1024,4096] [--dec-len 4096] [--what gemm,mha,dec]
+    python -m benchmarks gemm [--isas amx,avx512_bf16,avx512,avx2] [--tokens 1,4,8,16,32]
+        [--heads 16,128] [--base main] [--rounds 3] [--mha-lens 1024,4096] [--dec-len 4096]
+        [--what gemm,mha,dec]
 """
 
 from __future__ import annotations

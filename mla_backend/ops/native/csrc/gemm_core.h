@@ -34,6 +34,12 @@
 //   avx512_bf16 vdpbf16ps on A's bf16 pairs (exact products, fp32 sums), 6 rows x 64 columns;
 //   amx         AMX-BF16 tiles (16 x 32 A, 16 pairs x 16 B, 16 x 16 fp32 C) for row blocks of
 //               >= kAmxMinRows rows and whole chunks of 32 k; the k tail as avx512_bf16.
+// Decode's 1-2 rows at the fp32 FMA levels (scalar, avx2, avx512, neon): kernel_widen_small, all
+// 64 columns per pass where the registers allow (avx2 1 row: 8 vectors), even and odd k in
+// accumulators of their own where twice as many fit (avx512, neon), so neither FMA latency nor
+// strided passes bound it; every kernel prefetches B's row kp + 16 in its first pass (the
+// panels come from memory at decode). A row block with fewer than kAmxMinRows rows is not
+// padded for tiles.
 // fp32 sums everywhere; bf16 outputs are rounded once (nearest even).
 #pragma once
 
