@@ -63,6 +63,16 @@ def test_matches_float64(isa, T, H, K, N):
     _check(isa, T, H, K, N, seed=T * 100 + H)
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "H,K,N", [(1, 7, 65), (16, 128, 512), (128, 512, 128), (3, 127, 129), (5, 33, 64)]
+)
+def test_decode_rows(isa, T, H, K, N):
+    """Decode's few rows (the small-row kernels: all 64 columns per pass, the row block packed
+    once per head and reused across its column blocks), odd K and N, strided x, 1..128 heads."""
+    _check(isa, T, H, K, N, seed=T * 7 + H + K)
+
+
 @pytest.mark.parametrize("T", [8, 16, 33, 64, 300])
 def test_many_rows_and_128_heads(isa, T):
     """Row blocks of 8..32 rows (AMX tiles where the CPU has them; a tail of the last one),

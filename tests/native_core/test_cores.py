@@ -509,6 +509,8 @@ def _gemm_specs() -> list[Spec]:
             (0, 2, 8, 16),
             (40, 128, 128, 64),
             (33, 2, 96, 200),
+            (2, 4, 33, 129),
+            (1, 3, 512, 128),
         ]
     ):
         specs.append(_head_gemm(T, H, K, N, seed=i))

@@ -34,6 +34,12 @@
 //   avx512_bf16 vdpbf16ps on A's bf16 pairs (exact products, fp32 sums), 6 rows x 64 columns;
 //   amx         AMX-BF16 tiles (16 x 32 A, 16 pairs x 16 B, 16 x 16 fp32 C) for row blocks of
 //               >= kAmxMinRows rows and whole chunks of 32 k; the k tail as avx512_bf16.
+// Decode's 1-2 rows at the fp32 FMA levels (scalar, avx2, avx512, neon): kernel_widen_small, all
+// 64 columns per pass where the registers allow (avx2 1 row: 8 vectors), even and odd k in
+// accumulators of their own where twice as many fit (avx512, neon), so neither FMA latency nor
+// strided passes bound it; every kernel prefetches B's row kp + 16 in its first pass (the
+// panels come from memory at decode). A row block with fewer than kAmxMinRows rows is not
+// padded for tiles.
 // fp32 sums everywhere; bf16 outputs are rounded once (nearest even).
 #pragma once
 
@@ -100,9 +106,13 @@ struct APanel {
 inline int64_t a_panel_elems(int64_t K) { return round_up(kMaxRows, 16) * round_up(std::max<int64_t>(K, 1), kKAlign); }
 
 // A[m, k] = src[m * sm + k * sk] (bf16), m < M, k < K; zero padding.
+// Rows past M are zeroed up to a whole AMX tile only where gemm() takes the tiles (M >=
+// kAmxMinRows): a decode panel of 1..7 rows costs no padding.
+inline int padded_rows(int M) { return M >= kAmxMinRows ? static_cast<int>(round_up(M, kRowAlign)) : M; }
+
 inline APanel pack_a(const uint16_t* src, int64_t sm, int64_t sk, int M, int64_t K, AElem* buf) {
   const int64_t lda = round_up(std::max<int64_t>(K, 1), kKAlign);
-  const int rows = static_cast<int>(round_up(M, kRowAlign));
+  const int rows = padded_rows(M);
   for (int m = 0; m < rows; ++m) {
     AElem* d = buf + m * lda;
     int64_t k = 0;
@@ -122,7 +132,7 @@ inline APanel pack_a(const uint16_t* src, int64_t sm, int64_t sk, int M, int64_t
 // A[m, k] = src[m * sm + k] (fp32, e.g. probabilities), rounded to bf16 on bf16 levels.
 inline APanel pack_a_f32(const float* src, int64_t sm, int M, int64_t K, AElem* buf) {
   const int64_t lda = round_up(std::max<int64_t>(K, 1), kKAlign);
-  const int rows = static_cast<int>(round_up(M, kRowAlign));
+  const int rows = padded_rows(M);
   for (int m = 0; m < rows; ++m) {
     AElem* d = buf + m * lda;
     int64_t k = 0;
@@ -148,6 +158,17 @@ inline void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64
 }
 
 // ---- inner kernels --------------------------------------------------------------------
+// Software prefetch of B's pair row kp + kPrefetchRows (its 4 cache lines of 64 columns) while
+// row kp is used, in the first pass over a panel: at decode the panels come from memory, and
+// the kernels' column passes (16 columns of each 256-byte row at avx2) would otherwise touch a
+// new line every few cycles with little memory-level parallelism. Past the panel's end it
+// prefetches the next panel (head_gemm's panels are contiguous); prefetches never fault.
+constexpr int64_t kPrefetchRows = 16;
+inline void prefetch_b_row(const uint16_t* b, int64_t ldb, int64_t kp) {
+  const uint16_t* p = b + (kp + kPrefetchRows) * ldb * 2;
+  for (int l = 0; l < 4; ++l) mla_native::vec::prefetch_l2(p + 32 * l);
+}
+
 #if defined(MLA_HAS_AVX512BF16)
 // M rows x 64 columns, vdpbf16ps on A's bf16 pairs.
 template <int M>
@@ -158,6 +179,7 @@ inline void kernel_dot(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, co
     for (int j = 0; j < 4; ++j) acc[m][j] = accumulate ? _mm512_loadu_ps(c + m * ldc + 16 * j) : _mm512_setzero_ps();
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     const uint16_t* bp = b + kp * ldb * 2;
+    prefetch_b_row(b, ldb, kp);
     __m512bh bv[4];
     for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(bp + 32 * j);
     for (int m = 0; m < M; ++m) {
@@ -245,6 +267,7 @@ inline void kernel_widen(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, 
       for (int j = 0; j < kNV; ++j) acc[m][j] = accumulate ? VecF::load(c + m * ldc + n0 + j * W) : VecF::zero();
     for (int64_t kp = kp0; kp < kp1; ++kp) {
       const uint16_t* bp = b + (kp * ldb + n0) * 2;
+      if (n0 == 0) prefetch_b_row(b, ldb, kp);
       VecF ev[kNV], od[kNV];
       for (int j = 0; j < kNV; ++j) VecF::load_bf16_pairs(bp + 2 * W * j, ev[j], od[j]);
       for (int m = 0; m < M; ++m) {
@@ -259,14 +282,81 @@ inline void kernel_widen(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1, 
 }
 constexpr int kMR = 4;
 #define MLA_INNER kernel_widen
+
+// Decode rows (M <= 2): kernel_widen's 16 columns per pass would leave 2 M accumulators, each a
+// chain of 2 dependent FMAs per k pair (FMA-latency bound, and 64 / 16 strided passes over the
+// panel). Here a pass spans kSmallNV<M> vectors (all 64 columns where the registers allow, so
+// each k pair's 256 bytes are read once, in order) with the broadcasts hoisted per k pair, and
+// where twice the accumulators still fit, the odd k go to accumulators of their own (added once
+// at the end: still fp32 sums). Registers: M * NV (x 2 when split) accumulators + 2 M broadcasts
+// + 2 widened B vectors.
+constexpr int kColVecs = kCols / VecF::W;
+template <int M>
+constexpr int small_nv() {
+  int nv = kColVecs;
+  while (nv > 1 && M * nv + 2 * M + 2 > mla_native::vec::kVecRegs) nv /= 2;
+  return nv;
+}
+template <int M>
+constexpr bool small_split() {
+  return 2 * M * small_nv<M>() + 2 * M + 2 <= mla_native::vec::kVecRegs;
+}
+
+template <int M>
+inline void kernel_widen_small(const AElem* a, int64_t lda, int64_t kp0, int64_t kp1,
+                               const uint16_t* b, int64_t ldb, float* c, int64_t ldc,
+                               bool accumulate) {
+  constexpr int W = VecF::W, NV = small_nv<M>();
+  constexpr bool kSplit = small_split<M>();
+  constexpr int NO = kSplit ? NV : 1;
+  for (int64_t n0 = 0; n0 < kCols; n0 += NV * W) {
+    VecF acc[M][NV], aco[M][NO];
+    for (int m = 0; m < M; ++m) {
+      for (int j = 0; j < NV; ++j) acc[m][j] = accumulate ? VecF::load(c + m * ldc + n0 + j * W) : VecF::zero();
+      for (int j = 0; j < NO; ++j) aco[m][j] = VecF::zero();
+    }
+    for (int64_t kp = kp0; kp < kp1; ++kp) {
+      const uint16_t* bp = b + (kp * ldb + n0) * 2;
+      if (n0 == 0) prefetch_b_row(b, ldb, kp);
+      VecF a0[M], a1[M];
+      for (int m = 0; m < M; ++m) {
+        a0[m] = VecF::set1(a[m * lda + 2 * kp]);
+        a1[m] = VecF::set1(a[m * lda + 2 * kp + 1]);
+      }
+      for (int j = 0; j < NV; ++j) {
+        VecF ev, od;
+        VecF::load_bf16_pairs(bp + 2 * W * j, ev, od);
+        for (int m = 0; m < M; ++m) {
+          if constexpr (kSplit) {
+            acc[m][j] = mla_native::vec::fma(a0[m], ev, acc[m][j]);
+            aco[m][j] = mla_native::vec::fma(a1[m], od, aco[m][j]);
+          } else {
+            acc[m][j] = mla_native::vec::fma(a1[m], od, mla_native::vec::fma(a0[m], ev, acc[m][j]));
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < NV; ++j) {
+        if constexpr (kSplit) acc[m][j] = acc[m][j] + aco[m][j];
+        acc[m][j].store(c + m * ldc + n0 + j * W);
+      }
+  }
+}
+#define MLA_INNER_SMALL kernel_widen_small
 #endif
 
 // rows m0.. of A (at most kMR), pairs [kp0, kp1), 64 columns at b / c.
 inline void inner_rows(int M, const AElem* a, int64_t lda, int64_t kp0, int64_t kp1,
                        const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   switch (M) {
+#if defined(MLA_INNER_SMALL)
+    case 1: return MLA_INNER_SMALL<1>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
+    case 2: return MLA_INNER_SMALL<2>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
+#else
     case 1: return MLA_INNER<1>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
     case 2: return MLA_INNER<2>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
+#endif
     case 3: return MLA_INNER<3>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
 #if defined(MLA_GEMM_BF16)
     case 4: return MLA_INNER<4>(a, lda, kp0, kp1, b, ldb, c, ldc, accumulate);
@@ -278,6 +368,7 @@ inline void inner_rows(int M, const AElem* a, int64_t lda, int64_t kp0, int64_t 
   }
 }
 #undef MLA_INNER
+#undef MLA_INNER_SMALL
 
 #if defined(MLA_HAS_AMX)
 // ---- AMX tiles (configuration and OS permission: amx_tiles.h) --------------------------

@@ -10,7 +10,8 @@
 // bf16, i.e. the weight's own size up to the padding; W_UK and W_UV together 2 * H * r *
 // (nope + v) bytes, 4 MiB per layer at H 16, r 512, nope = v = 128), so one work item (head,
 // column block) streams a contiguous panel. Rows of x go through gemm_core.h's engine in blocks
-// of 32 (fp32 sums at every ISA level; AMX tiles for >= 8 rows where the CPU has them); one
+// of 32 (fp32 sums at every ISA level; AMX tiles for >= 8 rows where the CPU has them; a row
+// block is packed once per head and run against each of its column blocks); one
 // rounding to bf16 at the end (nearest even). Work items (head, column block) go to
 // at::parallel_for.
 #ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
@@ -47,13 +48,19 @@ void head_gemm_items(const uint16_t* x, int64_t sx0, int64_t sx1, int64_t T, int
   const int64_t nb = mla_core::cdiv(N, kCols), kp = mla_core::cdiv(K, 2);
   std::vector<mla_core::AElem> abuf(static_cast<size_t>(mla_core::a_panel_elems(K)));
   std::vector<float> cbuf(static_cast<size_t>(mla_core::kMaxRows * kCols));
+  mla_core::APanel a{};
+  int64_t packed_h = -1, packed_t0 = -1;  // the row block abuf holds
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t h = i / nb, blk = i % nb;
     const uint16_t* panel = packed + i * kp * kCols * 2;
     const int64_t ncols = std::min(kCols, N - blk * kCols);
     for (int64_t t0 = 0; t0 < T; t0 += mla_core::kMaxRows) {
       const int M = static_cast<int>(std::min<int64_t>(mla_core::kMaxRows, T - t0));
-      const auto a = mla_core::pack_a(x + t0 * sx0 + h * sx1, sx0, 1, M, K, abuf.data());
+      if (h != packed_h || t0 != packed_t0) {  // T <= 32 (decode): once per head, not per block
+        a = mla_core::pack_a(x + t0 * sx0 + h * sx1, sx0, 1, M, K, abuf.data());
+        packed_h = h;
+        packed_t0 = t0;
+      }
       mla_core::gemm(a, panel, kCols, kCols, cbuf.data(), kCols, false);
       mla_core::store_bf16(cbuf.data(), kCols, M, ncols, y + (t0 * H + h) * N + blk * kCols, H * N, 1);
     }
