@@ -15,6 +15,8 @@ own GEMM ceiling and whose efficiencies and per-request normal-path overhead are
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...cost import DeviceProfile
 
 CPU_NATIVE_PROFILE = DeviceProfile(
@@ -72,14 +74,7 @@ CPU_NATIVE_AVX2_PROFILE = DeviceProfile(
 #: Sapphire Rapids class, load average 1.9, 5 interleaved rounds): 24 shapes (H 16/128, P
 #: 0/1024, N 32-1024), 23 right (the miss: H128 fresh 128, absorbed 28.2 vs normal 33.4 ms); the
 #: default profile it replaces picked 22/24. The same fit as ``avx2``'s, at this level's peak.
-CPU_NATIVE_AVX512_PROFILE = DeviceProfile(
-    peak_flops=0.211e12,
-    bandwidth=7.8e9,
-    absorbed_efficiency=1.5,
-    attn_efficiency=1.0,
-    cache_bytes=32 * 2**20,
-    normal_overhead=2e-3,
-)
+CPU_NATIVE_AVX512_PROFILE = dataclasses.replace(CPU_NATIVE_AVX2_PROFILE, peak_flops=0.211e12)
 
 #: profile by ISA level of the native build (None: the level the loader picked)
 PROFILES: dict[str | None, DeviceProfile] = {
