@@ -4,10 +4,9 @@ Each profile is a roofline (:class:`~mla_backend.cost.DeviceProfile`) whose peak
 own GEMM ceiling and whose efficiencies and per-request normal-path overhead are fitted to
 ``python -m benchmarks policy`` run at that level (``benchmarks/results/policy-history.md``):
 
-- default (``fp32``, ``avx512_bf16``, unlisted levels): the avx512_bf16 fit (2026-11-23, AMD
-  Zen 4, bf16 MHA on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go normal), kept until
-  each of those levels is refitted on its own build (``avx512_bf16`` on the Xeon: measured only
-  at load ~14 so far, a load artifact, not used);
+- default (``fp32``, unlisted levels): the avx512_bf16 fit of 2026-11-23 (AMD Zen 4, bf16 MHA
+  on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go normal);
+- ``avx512_bf16``: :data:`CPU_NATIVE_AVX512_BF16_PROFILE` (2026-11-24, Xeon SPR class);
 - ``avx2``: :data:`CPU_NATIVE_AVX2_PROFILE` (2026-11-24, Xeon SPR class with torch capped at AVX2);
 - ``avx512``: :data:`CPU_NATIVE_AVX512_PROFILE` (2026-11-24, Xeon SPR class, the fp32 engine);
 - ``amx``: :data:`CPU_NATIVE_AMX_PROFILE` (2026-11-24, Xeon SPR class, AMX attention engine).
@@ -76,13 +75,25 @@ CPU_NATIVE_AVX2_PROFILE = DeviceProfile(
 #: default profile it replaces picked 22/24. The same fit as ``avx2``'s, at this level's peak.
 CPU_NATIVE_AVX512_PROFILE = dataclasses.replace(CPU_NATIVE_AVX2_PROFILE, peak_flops=0.211e12)
 
+#: Level ``avx512_bf16`` (the bf16 engine on ``vdpbf16ps``, every op of both paths native):
+#: refitted 2026-11-24 17:11Z (Xeon Sapphire Rapids class, torch uncapped,
+#: ``MLA_BACKEND_NATIVE_ISA=avx512_bf16``, load average 1.3, 5 interleaved rounds) with
+#: ``python -m benchmarks policy --prefix 0,1024 --new 32,64,128,256,512,1024 --fit``: 24 shapes
+#: (H 16/128, P 0/1024, N 32-1024), 24 right, summed regret 0.05; the default profile (the Zen 4
+#: fit) picked 23 (the miss: H128 fresh 128, absorbed 32.3 vs normal 38.7 ms; regret 0.24). Peak
+#: kept at the default's 0.6 TF/s (the efficiencies are relative to it). Fresh prefills go normal
+#: from ~145 (128 heads) / ~410 (16 heads) new tokens, extends onto a 1K prefix from ~270 / ~320.
+CPU_NATIVE_AVX512_BF16_PROFILE = dataclasses.replace(
+    CPU_NATIVE_PROFILE, absorbed_efficiency=1.0, attn_efficiency=0.5, normal_overhead=2e-3
+)
+
 #: profile by ISA level of the native build (None: the level the loader picked)
 PROFILES: dict[str | None, DeviceProfile] = {
     None: CPU_NATIVE_PROFILE,
     "fp32": CPU_NATIVE_PROFILE,
     "avx2": CPU_NATIVE_AVX2_PROFILE,
     "avx512": CPU_NATIVE_AVX512_PROFILE,
-    "avx512_bf16": CPU_NATIVE_PROFILE,
+    "avx512_bf16": CPU_NATIVE_AVX512_BF16_PROFILE,
     "amx": CPU_NATIVE_AMX_PROFILE,
 }
 
