@@ -7,7 +7,12 @@ import torch
 
 import mla_backend as mb
 from mla_backend.ops.native import Kernels as NativeKernels
-from mla_backend.ops.native.profile import CPU_NATIVE_PROFILE, PROFILES
+from mla_backend.ops.native.profile import (
+    CPU_NATIVE_PROFILE,
+    ENGINE_PROFILES,
+    PROFILES,
+    profile_for,
+)
 from mla_backend.policy import CPU_PROFILE, absorbed_cost, normal_cost
 
 DEEPSEEK = mb.MLADims(128, 512, 128, 64, 128)
@@ -114,6 +119,23 @@ def test_every_level_profile_is_sane(level: str, dims: mb.MLADims) -> None:
     assert normal_cost(dims, 0, 2048, profile) < absorbed_cost(dims, 0, 2048, profile)
     for prefix in (0, 1024, 4096, 16384):
         switch_point(dims, prefix, profile)  # asserts a single switch
+
+
+@pytest.mark.parametrize(
+    "engine,fitted_on", [("fp32", "avx512_bf16"), ("bf16", None)], ids=["intel", "amd"]
+)
+def test_avx512_bf16_profile_follows_the_engine(
+    monkeypatch: pytest.MonkeyPatch, engine: str, fitted_on: str | None
+) -> None:
+    """avx512_bf16's absorbed attention runs the fp32 engine on Intel and the bf16 engine on
+    AMD (ops/native/engine.py); each was fitted apart (Xeon 2026-11-24 / Zen 4 2026-11-23),
+    and the kernels price the paths with the one of the engine they run."""
+    monkeypatch.setenv("MLA_BACKEND_NATIVE_ENGINE", engine)
+    kernels = NativeKernels(isa="avx512_bf16")
+    want = PROFILES[fitted_on] if fitted_on else ENGINE_PROFILES["avx512_bf16", "bf16"]
+    assert kernels.cost_profile(torch.device("cpu")) == want
+    assert want != PROFILES["avx512_bf16"] or engine == "fp32"
+    assert profile_for("avx512", engine) == PROFILES["avx512"]  # one engine: by level only
 
 
 def test_env_selects_mode(monkeypatch: pytest.MonkeyPatch) -> None:

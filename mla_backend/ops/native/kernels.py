@@ -20,6 +20,7 @@ from ...weights import absorb_q, apply_W_UV
 from .. import dense, paged, sdpa
 from . import ops as native
 from .build import ISA_LEVELS, selected_isa
+from .engine import attention_engine
 from .profile import profile_for
 
 if TYPE_CHECKING:
@@ -85,8 +86,9 @@ class Kernels:
         return f"ops.native.Kernels(isa={self.isa!r}, num_kv_splits={self.num_kv_splits})"
 
     def cost_profile(self, device: torch.device) -> DeviceProfile:
-        """The measured profile of the native kernels at this ISA level (:mod:`.profile`)."""
-        return profile_for(self.level)
+        """The measured profile of the native kernels at this ISA level and attention engine
+        (:mod:`.profile`)."""
+        return profile_for(self.level, attention_engine(self.level))
 
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
         """bf16 CPU weights: add their packed copies (W_UK's and W_UV's element count again,

@@ -6,7 +6,9 @@ own GEMM ceiling and whose efficiencies and per-request normal-path overhead are
 
 - default (``fp32``, unlisted levels): the avx512_bf16 fit of 2026-11-23 (AMD Zen 4, bf16 MHA
   on ``vdpbf16ps``: fresh prefills of >= ~128-192 tokens go normal);
-- ``avx512_bf16``: :data:`CPU_NATIVE_AVX512_BF16_PROFILE` (2026-11-24, Xeon SPR class);
+- ``avx512_bf16``: per attention engine (:mod:`.engine`'s rule picks it per CPU): ``fp32``
+  (Intel) :data:`CPU_NATIVE_AVX512_BF16_PROFILE` (2026-11-24, Xeon SPR class), ``bf16`` (AMD)
+  the default, which was fitted on that engine;
 - ``avx2``: :data:`CPU_NATIVE_AVX2_PROFILE` (2026-11-24, Xeon SPR class with torch capped at AVX2);
 - ``avx512``: :data:`CPU_NATIVE_AVX512_PROFILE` (2026-11-24, Xeon SPR class, the fp32 engine);
 - ``amx``: :data:`CPU_NATIVE_AMX_PROFILE` (2026-11-24, Xeon SPR class, AMX attention engine).
@@ -75,8 +77,9 @@ CPU_NATIVE_AVX2_PROFILE = DeviceProfile(
 #: default profile it replaces picked 22/24. The same fit as ``avx2``'s, at this level's peak.
 CPU_NATIVE_AVX512_PROFILE = dataclasses.replace(CPU_NATIVE_AVX2_PROFILE, peak_flops=0.211e12)
 
-#: Level ``avx512_bf16`` (the bf16 engine on ``vdpbf16ps``, every op of both paths native):
-#: refitted 2026-11-24 17:11Z (Xeon Sapphire Rapids class, torch uncapped,
+#: Level ``avx512_bf16`` with the fp32 attention engine (the engine rule's pick on Intel; the
+#: GEMMs, decompression and MHA on ``vdpbf16ps``; every op of both paths native): refitted
+#: 2026-11-24 17:11Z (Xeon Sapphire Rapids class, torch uncapped,
 #: ``MLA_BACKEND_NATIVE_ISA=avx512_bf16``, load average 1.3, 5 interleaved rounds) with
 #: ``python -m benchmarks policy --prefix 0,1024 --new 32,64,128,256,512,1024 --fit``: 24 shapes
 #: (H 16/128, P 0/1024, N 32-1024), 24 right, summed regret 0.05; the default profile (the Zen 4
@@ -86,6 +89,12 @@ CPU_NATIVE_AVX512_PROFILE = dataclasses.replace(CPU_NATIVE_AVX2_PROFILE, peak_fl
 CPU_NATIVE_AVX512_BF16_PROFILE = dataclasses.replace(
     CPU_NATIVE_PROFILE, absorbed_efficiency=1.0, attn_efficiency=0.5, normal_overhead=2e-3
 )
+
+#: profile by ISA level of the native build and attention engine, where a level's engine
+#: differs by CPU and was fitted apart (:func:`profile_for` looks here first)
+ENGINE_PROFILES: dict[tuple[str, str], DeviceProfile] = {
+    ("avx512_bf16", "bf16"): CPU_NATIVE_PROFILE,
+}
 
 #: profile by ISA level of the native build (None: the level the loader picked)
 PROFILES: dict[str | None, DeviceProfile] = {
@@ -98,6 +107,9 @@ PROFILES: dict[str | None, DeviceProfile] = {
 }
 
 
-def profile_for(isa: str | None) -> DeviceProfile:
-    """The cost profile of native kernels built for ``isa`` (an unlisted level: the default)."""
+def profile_for(isa: str | None, engine: str | None = None) -> DeviceProfile:
+    """The cost profile of native kernels built for ``isa`` whose absorbed attention runs
+    ``engine`` (:data:`ENGINE_PROFILES`, else by level; an unlisted level: the default)."""
+    if isa is not None and engine is not None and (isa, engine) in ENGINE_PROFILES:
+        return ENGINE_PROFILES[isa, engine]
     return PROFILES.get(isa, CPU_NATIVE_PROFILE)
