@@ -327,7 +327,8 @@ struct F32Engine {
   // whole tile's prefetches stalls on the fill buffers). With AVX-512 (kPipelined) a cursor
   // kAhead rows behind the prefetches also widens them into Kn, so the widening overlaps this
   // tile's FMAs instead of being a pass of its own (load_tile then swaps the buffers); with
-  // AVX2 that costs more than the pass (measured: its shifts share the FMA ports).
+  // AVX2 that was not faster than the pass (measured with the shift widening and with
+  // vpshufb's; AVX2 reads bf16 rows in place instead, below).
 #if defined(MLA_HAS_AVX512)
   static constexpr bool kPipelined = true;
 #else
@@ -336,10 +337,26 @@ struct F32Engine {
   static constexpr int kAhead = 4;
   const int64_t* nx_offs = nullptr;
   int nx_n = 0, nx_pf = 0, nx_done = 0, nx_step = 0;
+  // AVX2, bf16 cache (kDirectable) with D a multiple of W: the rows are read in place
+  // (direct): the score and P.V loops widen each vector in registers (VecF::load_bf16: a
+  // load and a vpshufb, no FMA port) instead of reading a widened fp32 copy, so the tile is
+  // neither copied nor widened in a pass of its own, and the loops read half the bytes. Each
+  // vector is widened once per query block (scores) / row block (P.V). Measured one thread
+  // (benchmarks/micro/decode_core.cpp, Xeon SPR): H16 kv 4K / 16K 1.02-1.05x the widening
+  // pass, H128 kv 4K ~1.0x; the pass pipelined as with AVX-512 was not faster at AVX2.
+#if defined(MLA_HAS_AVX2) && !defined(MLA_HAS_AVX512)
+  static constexpr bool kDirectable = kMode == kPlain && std::is_same_v<CT, vec::bf16_t>;
+#else
+  static constexpr bool kDirectable = false;
+#endif
+  bool direct = false;
+  const float* kf[kTileN];     // this tile's rows: widened (K + c * Dk) ...
+  const uint16_t* kb[kTileN];  // ... or in the cache (direct)
 
   explicit F32Engine(const Params& p) : P(p), D(p.D), r(p.r) {
     rp = round_up(r, kW);
     Dk = round_up(D, kW);
+    direct = kDirectable && D % kW == 0;
     const int64_t tile = (kTileN + NK) * Dk;
     Q = tl_scratch.q.get<float>(kMaxRows * Dk);
     K = tl_scratch.k.get<float>(2 * tile + Dk);
@@ -363,11 +380,11 @@ struct F32Engine {
     for (; nx_pf < upto; ++nx_pf) prefetch_row(P.cache + nx_offs[nx_pf], P.row_bytes);
   }
   // rows of the next tile still to handle (to widen, or to prefetch)
-  int next_left() const { return nx_n - (kPipelined ? nx_done : nx_pf); }
+  int next_left() const { return nx_n - (kPipelined && !direct ? nx_done : nx_pf); }
   // up to `k` more rows of the next tile: widened (prefetching kAhead rows ahead), or
   // prefetched
   inline void advance_next(int k) {
-    if constexpr (kPipelined) {
+    if (kPipelined && !direct) {
       const int end = std::min(nx_n, nx_done + k);
       prefetch_next(std::min(nx_n, end + kAhead));
       for (; nx_done < end; ++nx_done)
@@ -390,9 +407,17 @@ struct F32Engine {
                     float* lrow) {
     float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + kMaxRows);
     float* alpha = S + kMaxRows * kTileN;
-    scores(rows, nt, S);
+    if constexpr (kDirectable) {
+      if (direct) {
+        scores(rows, nt, S, kb);
+        softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
+        pv(rows, nt, S, alpha, kb);
+        return;
+      }
+    }
+    scores(rows, nt, S, kf);
     softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
-    pv(rows, nt, S, alpha);
+    pv(rows, nt, S, alpha, kf);
   }
 
   // dst[0, D) = the cached row at byte offset off, in fp32
@@ -416,28 +441,35 @@ struct F32Engine {
   }
 
   void load_tile(const int64_t* offs, int nt) {
-    if (kPipelined && nx_offs == offs && nx_n == nt && nx_done == nt && nt > 0) {  // widened ahead
-      std::swap(K, Kn);
+    if (direct) {  // (offs is the next tile's once this returns)
+      for (int c = 0; c < nt; ++c) kb[c] = reinterpret_cast<const uint16_t*>(P.cache + offs[c]);
       nx_n = nx_done = 0;
       return;
     }
+    if (kPipelined && nx_offs == offs && nx_n == nt && nx_done == nt && nt > 0) {  // widened ahead
+      std::swap(K, Kn);
+    } else {
+      for (int c = 0; c < nt; ++c) widen_cache_row(K + static_cast<int64_t>(c) * Dk, offs[c]);
+    }
     nx_n = nx_done = 0;
-    for (int c = 0; c < nt; ++c) widen_cache_row(K + static_cast<int64_t>(c) * Dk, offs[c]);
+    for (int c = 0; c < nt; ++c) kf[c] = K + static_cast<int64_t>(c) * Dk;
   }
+  static VecF load_k(const float* p) { return VecF::load(p); }
+  static VecF load_k(const uint16_t* p) { return VecF::load_bf16(p); }
 
   // NQ query rows x NKa kv rows: fp32 FMAs over the (padded) rows, one reduction per score.
-  template <int NKa>
-  inline void score_block(int m0, int c0, int rows, float* S) {
+  template <int NKa, class KT>
+  inline void score_block(int m0, int c0, int rows, float* S, const KT* const* krows) {
     alignas(64) float tmp[NQ * NK + kW];
     const float* q[NQ];
     for (int i = 0; i < NQ; ++i) q[i] = m0 + i < rows ? Q + (m0 + i) * Dk : zrow;
-    const float* k[NKa];
-    for (int j = 0; j < NKa; ++j) k[j] = K + static_cast<int64_t>(c0 + j) * Dk;
+    const KT* k[NKa];
+    for (int j = 0; j < NKa; ++j) k[j] = krows[c0 + j];
     VecF acc[NQ * NKa];
     for (int x = 0; x < NQ * NKa; ++x) acc[x] = VecF::zero();
     for (int64_t d = 0; d < Dk; d += kW) {
       VecF kv[NKa];
-      for (int j = 0; j < NKa; ++j) kv[j] = VecF::load(k[j] + d);
+      for (int j = 0; j < NKa; ++j) kv[j] = load_k(k[j] + d);
       for (int i = 0; i < NQ; ++i) {
         const VecF qv = VecF::load(q[i] + d);
         for (int j = 0; j < NKa; ++j) acc[i * NKa + j] = vec::fma(qv, kv[j], acc[i * NKa + j]);
@@ -450,18 +482,19 @@ struct F32Engine {
   }
 
   // S [rows][kTileN] = Q . K^T over the tile's nt rows (kv blocks of NK, the last one exact)
-  void scores(int rows, int nt, float* S) {
+  template <class KT>
+  void scores(int rows, int nt, float* S, const KT* const* krows) {
     const int64_t nblocks = ceil_div(rows, NQ) * ceil_div(nt, NK);
     nx_step = static_cast<int>(ceil_div(next_left(), nblocks));
     const int nfull = tail_start(nt, NK);
     for (int m0 = 0; m0 < rows; m0 += NQ) {
-      for (int c0 = 0; c0 < nfull; c0 += NK) score_block<NK>(m0, c0, rows, S);
+      for (int c0 = 0; c0 < nfull; c0 += NK) score_block<NK>(m0, c0, rows, S, krows);
       for (int c0 = nfull; c0 < nt;) {
         const int w = tail_width(nt - c0, NK);
         switch (w) {
-          case 3: score_block<3>(m0, c0, rows, S); break;
-          case 2: score_block<2>(m0, c0, rows, S); break;
-          default: score_block<1>(m0, c0, rows, S); break;
+          case 3: score_block<3>(m0, c0, rows, S, krows); break;
+          case 2: score_block<2>(m0, c0, rows, S, krows); break;
+          default: score_block<1>(m0, c0, rows, S, krows); break;
         }
         c0 += w;
       }
@@ -470,17 +503,17 @@ struct F32Engine {
   }
 
   // rows m0 .. m0 + M of O [.., c0 .. c0 + NCa * kW) = alpha * O + P . V
-  template <int M, int NCa>
-  void pv_kernel(int m0, int64_t c0, int nt, const float* Pm, const float* alpha) {
+  template <int M, int NCa, class KT>
+  void pv_kernel(int m0, int64_t c0, int nt, const float* Pm, const float* alpha, const KT* const* krows) {
     VecF acc[M][NCa];
     for (int i = 0; i < M; ++i) {
       const VecF a = VecF::set1(alpha[m0 + i]);
       for (int j = 0; j < NCa; ++j) acc[i][j] = VecF::load(O + (m0 + i) * rp + c0 + kW * j) * a;
     }
     for (int n = 0; n < nt; ++n) {
-      const float* v = K + static_cast<int64_t>(n) * Dk + c0;
+      const KT* v = krows[n] + c0;
       VecF vv[NCa];
-      for (int j = 0; j < NCa; ++j) vv[j] = VecF::load(v + kW * j);
+      for (int j = 0; j < NCa; ++j) vv[j] = load_k(v + kW * j);
       for (int i = 0; i < M; ++i) {
         const VecF p = VecF::set1(Pm[(m0 + i) * kTileN + n]);
         for (int j = 0; j < NCa; ++j) acc[i][j] = vec::fma(p, vv[j], acc[i][j]);
@@ -490,30 +523,31 @@ struct F32Engine {
       for (int j = 0; j < NCa; ++j) acc[i][j].store(O + (m0 + i) * rp + c0 + kW * j);
   }
 
-  template <int NCa>
-  void pv_cols(int rows, int64_t c0, int nt, const float* Pm, const float* alpha) {
+  template <int NCa, class KT>
+  void pv_cols(int rows, int64_t c0, int nt, const float* Pm, const float* alpha, const KT* const* kr) {
     int m0 = 0;
-    for (; m0 + MR <= rows; m0 += MR) pv_kernel<MR, NCa>(m0, c0, nt, Pm, alpha);
+    for (; m0 + MR <= rows; m0 += MR) pv_kernel<MR, NCa>(m0, c0, nt, Pm, alpha, kr);
     switch (rows - m0) {
-      case 5: pv_kernel<5, NCa>(m0, c0, nt, Pm, alpha); break;
-      case 4: pv_kernel<4, NCa>(m0, c0, nt, Pm, alpha); break;
-      case 3: pv_kernel<3, NCa>(m0, c0, nt, Pm, alpha); break;
-      case 2: pv_kernel<2, NCa>(m0, c0, nt, Pm, alpha); break;
-      case 1: pv_kernel<1, NCa>(m0, c0, nt, Pm, alpha); break;
+      case 5: pv_kernel<5, NCa>(m0, c0, nt, Pm, alpha, kr); break;
+      case 4: pv_kernel<4, NCa>(m0, c0, nt, Pm, alpha, kr); break;
+      case 3: pv_kernel<3, NCa>(m0, c0, nt, Pm, alpha, kr); break;
+      case 2: pv_kernel<2, NCa>(m0, c0, nt, Pm, alpha, kr); break;
+      case 1: pv_kernel<1, NCa>(m0, c0, nt, Pm, alpha, kr); break;
       default: break;
     }
   }
 
   // O = alpha * O + P . V over rp columns: blocks of NC vectors, the last one exact
-  void pv(int rows, int nt, const float* Pm, const float* alpha) {
+  template <class KT>
+  void pv(int rows, int nt, const float* Pm, const float* alpha, const KT* const* kr) {
     const int nv = static_cast<int>(rp / kW), nfull = tail_start(nv, NC);
-    for (int v0 = 0; v0 < nfull; v0 += NC) pv_cols<NC>(rows, int64_t{v0} * kW, nt, Pm, alpha);
+    for (int v0 = 0; v0 < nfull; v0 += NC) pv_cols<NC>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr);
     for (int v0 = nfull; v0 < nv;) {
       const int w = tail_width(nv - v0, NC);
       switch (w) {
-        case 3: pv_cols<3>(rows, int64_t{v0} * kW, nt, Pm, alpha); break;
-        case 2: pv_cols<2>(rows, int64_t{v0} * kW, nt, Pm, alpha); break;
-        default: pv_cols<1>(rows, int64_t{v0} * kW, nt, Pm, alpha); break;
+        case 3: pv_cols<3>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr); break;
+        case 2: pv_cols<2>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr); break;
+        default: pv_cols<1>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr); break;
       }
       v0 += w;
     }
