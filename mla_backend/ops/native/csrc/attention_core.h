@@ -341,22 +341,22 @@ struct F32Engine {
   // (direct): the score and P.V loops widen each vector in registers (VecF::load_bf16: a
   // load and a vpshufb, no FMA port) instead of reading a widened fp32 copy, so the tile is
   // neither copied nor widened in a pass of its own, and the loops read half the bytes. Each
-  // vector is widened once per query block (scores) / row block (P.V). Measured one thread
-  // (benchmarks/micro/decode_core.cpp, Xeon SPR): H16 kv 4K / 16K 1.02-1.05x the widening
-  // pass, H128 kv 4K ~1.0x; the pass pipelined as with AVX-512 was not faster at AVX2.
+  // vector is widened once per query block (scores) / row block (P.V). Items of at most
+  // kDirectRows query rows only: measured (Xeon SPR, imitating AVX2) at 16 rows 1.02-1.05x the
+  // widening pass on one and on two threads, at 32 rows (128 heads) 1.0x on one thread and
+  // 0.95-0.98x on two. The pass pipelined as with AVX-512 was not faster at AVX2.
 #if defined(MLA_HAS_AVX2) && !defined(MLA_HAS_AVX512)
   static constexpr bool kDirectable = kMode == kPlain && std::is_same_v<CT, vec::bf16_t>;
 #else
   static constexpr bool kDirectable = false;
 #endif
-  bool direct = false;
-  const float* kf[kTileN];     // this tile's rows: widened (K + c * Dk) ...
-  const uint16_t* kb[kTileN];  // ... or in the cache (direct)
+  static constexpr int kDirectRows = 16;
+  bool direct = false;  // this item's tile is read in place (start_item)
+  const uint16_t* kb[kTileN];  // direct: this tile's rows in the cache
 
   explicit F32Engine(const Params& p) : P(p), D(p.D), r(p.r) {
     rp = round_up(r, kW);
     Dk = round_up(D, kW);
-    direct = kDirectable && D % kW == 0;
     const int64_t tile = (kTileN + NK) * Dk;
     Q = tl_scratch.q.get<float>(kMaxRows * Dk);
     K = tl_scratch.k.get<float>(2 * tile + Dk);
@@ -400,7 +400,10 @@ struct F32Engine {
     std::fill(dst + D, dst + Dk, 0.0f);
   }
   void zero_q(int m) { std::fill(Q + m * Dk, Q + (m + 1) * Dk, 0.0f); }
-  void start_item(int rows) { std::fill(O, O + rows * rp, 0.0f); }
+  void start_item(int rows) {
+    direct = kDirectable && D % kW == 0 && rows <= kDirectRows;
+    std::fill(O, O + rows * rp, 0.0f);
+  }
   const float* orow(int m) const { return O + m * rp; }
 
   void compute_tile(int rows, int nt, int64_t t0, const int64_t* lim, float sc, float* mrow,
@@ -415,9 +418,10 @@ struct F32Engine {
         return;
       }
     }
-    scores(rows, nt, S, kf);
+    const float* const* widened = nullptr;  // (rows at K + c * Dk)
+    scores(rows, nt, S, widened);
     softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
-    pv(rows, nt, S, alpha, kf);
+    pv(rows, nt, S, alpha, widened);
   }
 
   // dst[0, D) = the cached row at byte offset off, in fp32
@@ -452,7 +456,12 @@ struct F32Engine {
       for (int c = 0; c < nt; ++c) widen_cache_row(K + static_cast<int64_t>(c) * Dk, offs[c]);
     }
     nx_n = nx_done = 0;
-    for (int c = 0; c < nt; ++c) kf[c] = K + static_cast<int64_t>(c) * Dk;
+  }
+  // kv row c of this tile: the widened copy's (krows unused) or the cache's (direct)
+  template <class KT>
+  const KT* krow(const KT* const* krows, int64_t c) const {
+    if constexpr (std::is_same_v<KT, float>) return K + c * Dk;
+    else return krows[c];
   }
   static VecF load_k(const float* p) { return VecF::load(p); }
   static VecF load_k(const uint16_t* p) { return VecF::load_bf16(p); }
@@ -464,7 +473,7 @@ struct F32Engine {
     const float* q[NQ];
     for (int i = 0; i < NQ; ++i) q[i] = m0 + i < rows ? Q + (m0 + i) * Dk : zrow;
     const KT* k[NKa];
-    for (int j = 0; j < NKa; ++j) k[j] = krows[c0 + j];
+    for (int j = 0; j < NKa; ++j) k[j] = krow(krows, c0 + j);
     VecF acc[NQ * NKa];
     for (int x = 0; x < NQ * NKa; ++x) acc[x] = VecF::zero();
     for (int64_t d = 0; d < Dk; d += kW) {
@@ -511,7 +520,7 @@ struct F32Engine {
       for (int j = 0; j < NCa; ++j) acc[i][j] = VecF::load(O + (m0 + i) * rp + c0 + kW * j) * a;
     }
     for (int n = 0; n < nt; ++n) {
-      const KT* v = krows[n] + c0;
+      const KT* v = krow(krows, n) + c0;
       VecF vv[NCa];
       for (int j = 0; j < NCa; ++j) vv[j] = load_k(v + kW * j);
       for (int i = 0; i < M; ++i) {
