@@ -303,7 +303,8 @@ inline int tail_width(int left, int b) { return left > b ? (left + 1) / 2 : left
 // score_scale / out_scale) or kDs (fp8_ds_mla rows: each tile times its own scale, k_pe as QT).
 // The tile is widened to fp32 in an L1 scratch whose rows are zero padded to Dk (a multiple
 // of the P.V column block), q rows likewise: the hot loops read whole vectors only.
-template <typename QT, typename CT, int kMode>
+// kInPlace: the bf16 rows are read in place instead (AVX2; see kDirectable).
+template <typename QT, typename CT, int kMode, bool kInPlace = false>
 struct F32Engine {
   // Register blocking: scores NQ query rows x NK kv rows of W-lane accumulators; P.V MR rows x
   // NC vectors (kCB = NC x W output columns per block). 32 registers (avx512 W = 16; aarch64
@@ -341,18 +342,27 @@ struct F32Engine {
   // (direct): the score and P.V loops widen each vector in registers (VecF::load_bf16: a
   // load and a vpshufb, no FMA port) instead of reading a widened fp32 copy, so the tile is
   // neither copied nor widened in a pass of its own, and the loops read half the bytes. Each
-  // vector is widened once per query block (scores) / row block (P.V). Items of at most
-  // kDirectRows query rows only: measured (Xeon SPR, imitating AVX2) at 16 rows 1.02-1.05x the
-  // widening pass on one and on two threads, at 32 rows (128 heads) 1.0x on one thread and
-  // 0.95-0.98x on two. The pass pipelined as with AVX-512 was not faster at AVX2.
+  // vector is widened once per query block (scores) / row block (P.V). A separate
+  // instantiation (kInPlace), chosen per call by in_place() where every item has at most
+  // kDirectRows query rows: measured (Xeon SPR, imitating AVX2) at 16 rows 1.02-1.05x the
+  // widening pass on one thread, at 32 rows (128 heads) 1.0x on one thread and 0.95-0.98x on
+  // two. The pass pipelined as with AVX-512 was not faster at AVX2.
 #if defined(MLA_HAS_AVX2) && !defined(MLA_HAS_AVX512)
   static constexpr bool kDirectable = kMode == kPlain && std::is_same_v<CT, vec::bf16_t>;
 #else
   static constexpr bool kDirectable = false;
 #endif
+  static_assert(!kInPlace || kDirectable, "rows are read in place only where kDirectable");
   static constexpr int kDirectRows = 16;
-  bool direct = false;  // this item's tile is read in place (start_item)
-  const uint16_t* kb[kTileN];  // direct: this tile's rows in the cache
+  static constexpr bool direct = kInPlace;
+  const uint16_t* kb[kInPlace ? kTileN : 1];  // direct: this tile's rows in the cache
+  // whether the call's items suit the kInPlace instantiation
+  static bool in_place(const Params& P, const std::vector<Item>& items) {
+    if (!kDirectable || P.D % kW != 0) return false;
+    for (const Item& it : items)
+      if (it.nrows > kDirectRows) return false;
+    return true;
+  }
 
   explicit F32Engine(const Params& p) : P(p), D(p.D), r(p.r) {
     rp = round_up(r, kW);
@@ -384,7 +394,7 @@ struct F32Engine {
   // up to `k` more rows of the next tile: widened (prefetching kAhead rows ahead), or
   // prefetched
   inline void advance_next(int k) {
-    if (kPipelined && !direct) {
+    if constexpr (kPipelined && !kInPlace) {
       const int end = std::min(nx_n, nx_done + k);
       prefetch_next(std::min(nx_n, end + kAhead));
       for (; nx_done < end; ++nx_done)
@@ -400,28 +410,23 @@ struct F32Engine {
     std::fill(dst + D, dst + Dk, 0.0f);
   }
   void zero_q(int m) { std::fill(Q + m * Dk, Q + (m + 1) * Dk, 0.0f); }
-  void start_item(int rows) {
-    direct = kDirectable && D % kW == 0 && rows <= kDirectRows;
-    std::fill(O, O + rows * rp, 0.0f);
-  }
+  void start_item(int rows) { std::fill(O, O + rows * rp, 0.0f); }
   const float* orow(int m) const { return O + m * rp; }
 
   void compute_tile(int rows, int nt, int64_t t0, const int64_t* lim, float sc, float* mrow,
                     float* lrow) {
     float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + kMaxRows);
     float* alpha = S + kMaxRows * kTileN;
-    if constexpr (kDirectable) {
-      if (direct) {
-        scores(rows, nt, S, kb);
-        softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
-        pv(rows, nt, S, alpha, kb);
-        return;
-      }
+    if constexpr (kInPlace) {
+      scores(rows, nt, S, kb);
+      softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
+      pv(rows, nt, S, alpha, kb);
+    } else {
+      const float* const* widened = nullptr;  // (rows at K + c * Dk)
+      scores(rows, nt, S, widened);
+      softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
+      pv(rows, nt, S, alpha, widened);
     }
-    const float* const* widened = nullptr;  // (rows at K + c * Dk)
-    scores(rows, nt, S, widened);
-    softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
-    pv(rows, nt, S, alpha, widened);
   }
 
   // dst[0, D) = the cached row at byte offset off, in fp32
@@ -445,7 +450,7 @@ struct F32Engine {
   }
 
   void load_tile(const int64_t* offs, int nt) {
-    if (direct) {  // (offs is the next tile's once this returns)
+    if constexpr (kInPlace) {  // (offs is the next tile's once this returns)
       for (int c = 0; c < nt; ++c) kb[c] = reinterpret_cast<const uint16_t*>(P.cache + offs[c]);
       nx_n = nx_done = 0;
       return;
@@ -562,6 +567,11 @@ struct F32Engine {
     }
   }
 };
+// The kInPlace instantiation where the level has one; elsewhere the widening engine (never
+// chosen there: in_place() is false).
+template <typename QT>
+using InPlaceEngine = F32Engine<QT, QT, kPlain, F32Engine<QT, QT, kPlain>::kDirectable>;
+
 #ifdef MLA_AVX512BF16
 // ---- AVX512-BF16 engine (q bf16; cache bf16, fp8 or fp8_ds_mla) -------------------------
 // Query rows live in SIMD lanes (16 rows per vector, one or two vectors per item): q is
@@ -1178,6 +1188,7 @@ inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int 
 #endif
     if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items, par);
     else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items, par);
+    else if (F32Engine<QT, QT, kPlain>::in_place(P, items)) run_items<QT, InPlaceEngine<QT>>(P, items, par);
     else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items, par);
     merge_splits<QT>(P, split_reqs, par);
   } else if (qdt == DType::kF16) {
