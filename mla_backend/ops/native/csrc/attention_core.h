@@ -339,8 +339,8 @@ struct F32Engine {
   const int64_t* nx_offs = nullptr;
   int nx_n = 0, nx_pf = 0, nx_done = 0, nx_step = 0;
   // AVX2, bf16 cache (kDirectable) with D a multiple of W: the rows are read in place
-  // (direct): the score and P.V loops widen each vector in registers (VecF::load_bf16: a
-  // load and a vpshufb, no FMA port) instead of reading a widened fp32 copy, so the tile is
+  // (direct): the score and P.V loops widen each vector in registers
+  // (VecF::load_bf16_shuffle: a load and a vpshufb, no FMA port) instead of reading a widened fp32 copy, so the tile is
   // neither copied nor widened in a pass of its own, and the loops read half the bytes. Each
   // vector is widened once per query block (scores) / row block (P.V). A separate
   // instantiation (kInPlace), chosen per call by in_place() where every item has at most
@@ -469,7 +469,13 @@ struct F32Engine {
     else return krows[c];
   }
   static VecF load_k(const float* p) { return VecF::load(p); }
-  static VecF load_k(const uint16_t* p) { return VecF::load_bf16(p); }
+  static VecF load_k(const uint16_t* p) {
+#if defined(MLA_HAS_AVX2) && !defined(MLA_HAS_AVX512)
+    return VecF::load_bf16_shuffle(p);  // (kInPlace: beside the FMAs)
+#else
+    return VecF::load_bf16(p);
+#endif
+  }
 
   // NQ query rows x NKa kv rows: fp32 FMAs over the (padded) rows, one reduction per score.
   template <int NKa, class KT>
