@@ -20,8 +20,7 @@
 //               level's W) -> "y" [W][N] fp32 bits: row 0 widened in whole vectors, row n
 //               (0 < n < W) in chunks of n lanes, each copied first into a heap buffer of
 //               exactly its size; "dirty" int64: lanes past the chunk that did not read +0
-//               (load_bf16_n(p, 0) included); "z" [N]: AVX2's load_bf16_shuffle in whole
-//               vectors (other levels: load_bf16)
+//               (load_bf16_n(p, 0) included)
 // Buffers are allocated at exactly their size, so a read outside one is a sanitizer report.
 #define MLA_CORE_ONLY 1
 #include "attention_core.h"
@@ -270,12 +269,6 @@ std::string run_widen(Case& c) {
     }
   };
   for (int64_t s = 0; s < N; s += W) VecF::load_bf16(x + s).store(y + s);
-  float* z = c.make<float>("z", N);  // AVX2's load_bf16_shuffle (elsewhere load_bf16 again)
-#if defined(MLA_HAS_AVX2) && !defined(MLA_HAS_AVX512)
-  for (int64_t s = 0; s < N; s += W) VecF::load_bf16_shuffle(x + s).store(z + s);
-#else
-  for (int64_t s = 0; s < N; s += W) VecF::load_bf16(x + s).store(z + s);
-#endif
   {
     std::unique_ptr<uint16_t[]> none(new uint16_t[1]);
     VecF::load_bf16_n(none.get() + 1, 0).store(lanes);  // one past the end: nothing may be read

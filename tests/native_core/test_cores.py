@@ -546,10 +546,10 @@ WIDEN_N = 1 << 16  # every bf16 bit pattern once (a multiple of every level's W)
 
 
 def _widen_spec() -> Spec:
-    """VecF::load_bf16 / load_bf16_n (and AVX2's load_bf16_shuffle) bit for bit against the
-    definition (bits << 16) over all 65536 patterns (NaN payloads, infinities, denormals, -0),
-    whole vectors and every tail length 0 .. W - 1 of the level, each tail read from a buffer
-    of exactly its size (a read past it is a sanitizer report), lanes past the tail +0."""
+    """VecF::load_bf16 / load_bf16_n bit for bit against the definition (bits << 16) over all
+    65536 patterns (NaN payloads, infinities, denormals, -0), whole vectors and every tail
+    length 0 .. W - 1 of the level, each tail read from a buffer of exactly its size (a read
+    past it is a sanitizer report), lanes past the tail +0."""
     x = torch.arange(WIDEN_N, dtype=torch.int32).to(torch.int16)  # bits 0x0000 .. 0xffff
     want = (x.to(torch.int64) & 0xFFFF) << 16
 
@@ -564,9 +564,6 @@ def _widen_spec() -> Spec:
                 f"tail {n} (0: whole vectors of {w}): {bad.numel()} patterns differ, first "
                 f"0x{int(x[bad[0, 0]]) & 0xFFFF:04x} -> 0x{int(y[n, bad[0, 0]]):08x}"
             )
-        z = cd.tensor(out["z"], torch.int32, (WIDEN_N,)).to(torch.int64) & 0xFFFFFFFF
-        bad = (z != want).nonzero()
-        assert bad.numel() == 0, f"load_bf16_shuffle: {bad.numel()} patterns differ"
         (dirty,) = struct.unpack("<q", out["dirty"])
         assert dirty == 0, f"{dirty} lanes past a tail were not +0"
 

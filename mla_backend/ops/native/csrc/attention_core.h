@@ -303,8 +303,7 @@ inline int tail_width(int left, int b) { return left > b ? (left + 1) / 2 : left
 // score_scale / out_scale) or kDs (fp8_ds_mla rows: each tile times its own scale, k_pe as QT).
 // The tile is widened to fp32 in an L1 scratch whose rows are zero padded to Dk (a multiple
 // of the P.V column block), q rows likewise: the hot loops read whole vectors only.
-// kInPlace: the bf16 rows are read in place instead (AVX2; see kDirectable).
-template <typename QT, typename CT, int kMode, bool kInPlace = false>
+template <typename QT, typename CT, int kMode>
 struct F32Engine {
   // Register blocking: scores NQ query rows x NK kv rows of W-lane accumulators; P.V MR rows x
   // NC vectors (kCB = NC x W output columns per block). 32 registers (avx512 W = 16; aarch64
@@ -328,8 +327,7 @@ struct F32Engine {
   // whole tile's prefetches stalls on the fill buffers). With AVX-512 (kPipelined) a cursor
   // kAhead rows behind the prefetches also widens them into Kn, so the widening overlaps this
   // tile's FMAs instead of being a pass of its own (load_tile then swaps the buffers); with
-  // AVX2 that was not faster than the pass (measured with the shift widening and with
-  // vpshufb's; AVX2 reads bf16 rows in place instead, below).
+  // AVX2 that costs more than the pass (measured: its shifts share the FMA ports).
 #if defined(MLA_HAS_AVX512)
   static constexpr bool kPipelined = true;
 #else
@@ -338,31 +336,6 @@ struct F32Engine {
   static constexpr int kAhead = 4;
   const int64_t* nx_offs = nullptr;
   int nx_n = 0, nx_pf = 0, nx_done = 0, nx_step = 0;
-  // AVX2, bf16 cache (kDirectable) with D a multiple of W: the rows are read in place
-  // (direct): the score and P.V loops widen each vector in registers
-  // (VecF::load_bf16_shuffle: a load and a vpshufb, no FMA port) instead of reading a widened fp32 copy, so the tile is
-  // neither copied nor widened in a pass of its own, and the loops read half the bytes. Each
-  // vector is widened once per query block (scores) / row block (P.V). A separate
-  // instantiation (kInPlace), chosen per call by in_place() where every item has at most
-  // kDirectRows query rows: measured (Xeon SPR, imitating AVX2) at 16 rows 1.02-1.05x the
-  // widening pass on one thread, at 32 rows (128 heads) 1.0x on one thread and 0.95-0.98x on
-  // two. The pass pipelined as with AVX-512 was not faster at AVX2.
-#if defined(MLA_HAS_AVX2) && !defined(MLA_HAS_AVX512)
-  static constexpr bool kDirectable = kMode == kPlain && std::is_same_v<CT, vec::bf16_t>;
-#else
-  static constexpr bool kDirectable = false;
-#endif
-  static_assert(!kInPlace || kDirectable, "rows are read in place only where kDirectable");
-  static constexpr int kDirectRows = 16;
-  static constexpr bool direct = kInPlace;
-  const uint16_t* kb[kInPlace ? kTileN : 1];  // direct: this tile's rows in the cache
-  // whether the call's items suit the kInPlace instantiation
-  static bool in_place(const Params& P, const std::vector<Item>& items) {
-    if (!kDirectable || P.D % kW != 0) return false;
-    for (const Item& it : items)
-      if (it.nrows > kDirectRows) return false;
-    return true;
-  }
 
   explicit F32Engine(const Params& p) : P(p), D(p.D), r(p.r) {
     rp = round_up(r, kW);
@@ -390,11 +363,11 @@ struct F32Engine {
     for (; nx_pf < upto; ++nx_pf) prefetch_row(P.cache + nx_offs[nx_pf], P.row_bytes);
   }
   // rows of the next tile still to handle (to widen, or to prefetch)
-  int next_left() const { return nx_n - (kPipelined && !direct ? nx_done : nx_pf); }
+  int next_left() const { return nx_n - (kPipelined ? nx_done : nx_pf); }
   // up to `k` more rows of the next tile: widened (prefetching kAhead rows ahead), or
   // prefetched
   inline void advance_next(int k) {
-    if constexpr (kPipelined && !kInPlace) {
+    if constexpr (kPipelined) {
       const int end = std::min(nx_n, nx_done + k);
       prefetch_next(std::min(nx_n, end + kAhead));
       for (; nx_done < end; ++nx_done)
@@ -417,16 +390,9 @@ struct F32Engine {
                     float* lrow) {
     float* S = tl_scratch.s.get<float>(kMaxRows * kTileN + kMaxRows);
     float* alpha = S + kMaxRows * kTileN;
-    if constexpr (kInPlace) {
-      scores(rows, nt, S, kb);
-      softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
-      pv(rows, nt, S, alpha, kb);
-    } else {
-      const float* const* widened = nullptr;  // (rows at K + c * Dk)
-      scores(rows, nt, S, widened);
-      softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
-      pv(rows, nt, S, alpha, widened);
-    }
+    scores(rows, nt, S);
+    softmax_tile(S, rows, nt, static_cast<int>(round_up(nt, kW)), lim, t0, sc, mrow, lrow, alpha);
+    pv(rows, nt, S, alpha);
   }
 
   // dst[0, D) = the cached row at byte offset off, in fp32
@@ -450,46 +416,28 @@ struct F32Engine {
   }
 
   void load_tile(const int64_t* offs, int nt) {
-    if constexpr (kInPlace) {  // (offs is the next tile's once this returns)
-      for (int c = 0; c < nt; ++c) kb[c] = reinterpret_cast<const uint16_t*>(P.cache + offs[c]);
+    if (kPipelined && nx_offs == offs && nx_n == nt && nx_done == nt && nt > 0) {  // widened ahead
+      std::swap(K, Kn);
       nx_n = nx_done = 0;
       return;
     }
-    if (kPipelined && nx_offs == offs && nx_n == nt && nx_done == nt && nt > 0) {  // widened ahead
-      std::swap(K, Kn);
-    } else {
-      for (int c = 0; c < nt; ++c) widen_cache_row(K + static_cast<int64_t>(c) * Dk, offs[c]);
-    }
     nx_n = nx_done = 0;
-  }
-  // kv row c of this tile: the widened copy's (krows unused) or the cache's (direct)
-  template <class KT>
-  const KT* krow(const KT* const* krows, int64_t c) const {
-    if constexpr (std::is_same_v<KT, float>) return K + c * Dk;
-    else return krows[c];
-  }
-  static VecF load_k(const float* p) { return VecF::load(p); }
-  static VecF load_k(const uint16_t* p) {
-#if defined(MLA_HAS_AVX2) && !defined(MLA_HAS_AVX512)
-    return VecF::load_bf16_shuffle(p);  // (kInPlace: beside the FMAs)
-#else
-    return VecF::load_bf16(p);
-#endif
+    for (int c = 0; c < nt; ++c) widen_cache_row(K + static_cast<int64_t>(c) * Dk, offs[c]);
   }
 
   // NQ query rows x NKa kv rows: fp32 FMAs over the (padded) rows, one reduction per score.
-  template <int NKa, class KT>
-  inline void score_block(int m0, int c0, int rows, float* S, const KT* const* krows) {
+  template <int NKa>
+  inline void score_block(int m0, int c0, int rows, float* S) {
     alignas(64) float tmp[NQ * NK + kW];
     const float* q[NQ];
     for (int i = 0; i < NQ; ++i) q[i] = m0 + i < rows ? Q + (m0 + i) * Dk : zrow;
-    const KT* k[NKa];
-    for (int j = 0; j < NKa; ++j) k[j] = krow(krows, c0 + j);
+    const float* k[NKa];
+    for (int j = 0; j < NKa; ++j) k[j] = K + static_cast<int64_t>(c0 + j) * Dk;
     VecF acc[NQ * NKa];
     for (int x = 0; x < NQ * NKa; ++x) acc[x] = VecF::zero();
     for (int64_t d = 0; d < Dk; d += kW) {
       VecF kv[NKa];
-      for (int j = 0; j < NKa; ++j) kv[j] = load_k(k[j] + d);
+      for (int j = 0; j < NKa; ++j) kv[j] = VecF::load(k[j] + d);
       for (int i = 0; i < NQ; ++i) {
         const VecF qv = VecF::load(q[i] + d);
         for (int j = 0; j < NKa; ++j) acc[i * NKa + j] = vec::fma(qv, kv[j], acc[i * NKa + j]);
@@ -502,19 +450,18 @@ struct F32Engine {
   }
 
   // S [rows][kTileN] = Q . K^T over the tile's nt rows (kv blocks of NK, the last one exact)
-  template <class KT>
-  void scores(int rows, int nt, float* S, const KT* const* krows) {
+  void scores(int rows, int nt, float* S) {
     const int64_t nblocks = ceil_div(rows, NQ) * ceil_div(nt, NK);
     nx_step = static_cast<int>(ceil_div(next_left(), nblocks));
     const int nfull = tail_start(nt, NK);
     for (int m0 = 0; m0 < rows; m0 += NQ) {
-      for (int c0 = 0; c0 < nfull; c0 += NK) score_block<NK>(m0, c0, rows, S, krows);
+      for (int c0 = 0; c0 < nfull; c0 += NK) score_block<NK>(m0, c0, rows, S);
       for (int c0 = nfull; c0 < nt;) {
         const int w = tail_width(nt - c0, NK);
         switch (w) {
-          case 3: score_block<3>(m0, c0, rows, S, krows); break;
-          case 2: score_block<2>(m0, c0, rows, S, krows); break;
-          default: score_block<1>(m0, c0, rows, S, krows); break;
+          case 3: score_block<3>(m0, c0, rows, S); break;
+          case 2: score_block<2>(m0, c0, rows, S); break;
+          default: score_block<1>(m0, c0, rows, S); break;
         }
         c0 += w;
       }
@@ -523,17 +470,17 @@ struct F32Engine {
   }
 
   // rows m0 .. m0 + M of O [.., c0 .. c0 + NCa * kW) = alpha * O + P . V
-  template <int M, int NCa, class KT>
-  void pv_kernel(int m0, int64_t c0, int nt, const float* Pm, const float* alpha, const KT* const* krows) {
+  template <int M, int NCa>
+  void pv_kernel(int m0, int64_t c0, int nt, const float* Pm, const float* alpha) {
     VecF acc[M][NCa];
     for (int i = 0; i < M; ++i) {
       const VecF a = VecF::set1(alpha[m0 + i]);
       for (int j = 0; j < NCa; ++j) acc[i][j] = VecF::load(O + (m0 + i) * rp + c0 + kW * j) * a;
     }
     for (int n = 0; n < nt; ++n) {
-      const KT* v = krow(krows, n) + c0;
+      const float* v = K + static_cast<int64_t>(n) * Dk + c0;
       VecF vv[NCa];
-      for (int j = 0; j < NCa; ++j) vv[j] = load_k(v + kW * j);
+      for (int j = 0; j < NCa; ++j) vv[j] = VecF::load(v + kW * j);
       for (int i = 0; i < M; ++i) {
         const VecF p = VecF::set1(Pm[(m0 + i) * kTileN + n]);
         for (int j = 0; j < NCa; ++j) acc[i][j] = vec::fma(p, vv[j], acc[i][j]);
@@ -543,41 +490,35 @@ struct F32Engine {
       for (int j = 0; j < NCa; ++j) acc[i][j].store(O + (m0 + i) * rp + c0 + kW * j);
   }
 
-  template <int NCa, class KT>
-  void pv_cols(int rows, int64_t c0, int nt, const float* Pm, const float* alpha, const KT* const* kr) {
+  template <int NCa>
+  void pv_cols(int rows, int64_t c0, int nt, const float* Pm, const float* alpha) {
     int m0 = 0;
-    for (; m0 + MR <= rows; m0 += MR) pv_kernel<MR, NCa>(m0, c0, nt, Pm, alpha, kr);
+    for (; m0 + MR <= rows; m0 += MR) pv_kernel<MR, NCa>(m0, c0, nt, Pm, alpha);
     switch (rows - m0) {
-      case 5: pv_kernel<5, NCa>(m0, c0, nt, Pm, alpha, kr); break;
-      case 4: pv_kernel<4, NCa>(m0, c0, nt, Pm, alpha, kr); break;
-      case 3: pv_kernel<3, NCa>(m0, c0, nt, Pm, alpha, kr); break;
-      case 2: pv_kernel<2, NCa>(m0, c0, nt, Pm, alpha, kr); break;
-      case 1: pv_kernel<1, NCa>(m0, c0, nt, Pm, alpha, kr); break;
+      case 5: pv_kernel<5, NCa>(m0, c0, nt, Pm, alpha); break;
+      case 4: pv_kernel<4, NCa>(m0, c0, nt, Pm, alpha); break;
+      case 3: pv_kernel<3, NCa>(m0, c0, nt, Pm, alpha); break;
+      case 2: pv_kernel<2, NCa>(m0, c0, nt, Pm, alpha); break;
+      case 1: pv_kernel<1, NCa>(m0, c0, nt, Pm, alpha); break;
       default: break;
     }
   }
 
   // O = alpha * O + P . V over rp columns: blocks of NC vectors, the last one exact
-  template <class KT>
-  void pv(int rows, int nt, const float* Pm, const float* alpha, const KT* const* kr) {
+  void pv(int rows, int nt, const float* Pm, const float* alpha) {
     const int nv = static_cast<int>(rp / kW), nfull = tail_start(nv, NC);
-    for (int v0 = 0; v0 < nfull; v0 += NC) pv_cols<NC>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr);
+    for (int v0 = 0; v0 < nfull; v0 += NC) pv_cols<NC>(rows, int64_t{v0} * kW, nt, Pm, alpha);
     for (int v0 = nfull; v0 < nv;) {
       const int w = tail_width(nv - v0, NC);
       switch (w) {
-        case 3: pv_cols<3>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr); break;
-        case 2: pv_cols<2>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr); break;
-        default: pv_cols<1>(rows, int64_t{v0} * kW, nt, Pm, alpha, kr); break;
+        case 3: pv_cols<3>(rows, int64_t{v0} * kW, nt, Pm, alpha); break;
+        case 2: pv_cols<2>(rows, int64_t{v0} * kW, nt, Pm, alpha); break;
+        default: pv_cols<1>(rows, int64_t{v0} * kW, nt, Pm, alpha); break;
       }
       v0 += w;
     }
   }
 };
-// The kInPlace instantiation where the level has one; elsewhere the widening engine (never
-// chosen there: in_place() is false).
-template <typename QT>
-using InPlaceEngine = F32Engine<QT, QT, kPlain, F32Engine<QT, QT, kPlain>::kDirectable>;
-
 #ifdef MLA_AVX512BF16
 // ---- AVX512-BF16 engine (q bf16; cache bf16, fp8 or fp8_ds_mla) -------------------------
 // Query rows live in SIMD lanes (16 rows per vector, one or two vectors per item): q is
@@ -1194,7 +1135,6 @@ inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int 
 #endif
     if (ds) run_items<QT, F32Engine<QT, uint8_t, kDs>>(P, items, par);
     else if (fp8) run_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, items, par);
-    else if (F32Engine<QT, QT, kPlain>::in_place(P, items)) run_items<QT, InPlaceEngine<QT>>(P, items, par);
     else run_items<QT, F32Engine<QT, QT, kPlain>>(P, items, par);
     merge_splits<QT>(P, split_reqs, par);
   } else if (qdt == DType::kF16) {

@@ -330,25 +330,6 @@ struct VecF {
   static VecF bf16_bits(__m128i h) { return VecF(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))); }
   static VecF load_bf16(const uint16_t* p) { return bf16_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static VecF load_bf16_n(const uint16_t* p, int n) { return bf16_bits(load16_n(p, n)); }
-  // load_bf16 off the FMA ports, for loops that widen beside their FMAs: 8 bf16 loaded into
-  // both 128-bit lanes (vbroadcasti128, a pure load), then one in-lane vpshufb that moves word
-  // i of lane i / 4 into the high half of dword i (index bytes 0x80 zero the low halves): the
-  // same bits as load_bf16's zero-extend + shift left 16, NaN / inf / denormal patterns
-  // unchanged. (Measured on a Sapphire Rapids core beside 12 independent ymm FMAs per
-  // iteration: 3 vpshufb cost nothing, 3 vpslld 25%: the shift runs on the FMA ports 0 / 1.
-  // In a widening pass of its own, load_bf16 measured as fast or faster.) The index is read
-  // from memory at each use (an opaque pointer, so the compiler neither hoists it into a
-  // register nor spills for it): loops whose accumulators take all 16 ymm registers widen in
-  // registers without a spill.
-  static VecF load_bf16_shuffle(const uint16_t* p) {
-    alignas(32) static constexpr int8_t kIndex[32] = {
-        -128, -128, 0, 1, -128, -128, 2, 3, -128, -128, 4,  5,  -128, -128, 6,  7,
-        -128, -128, 8, 9, -128, -128, 10, 11, -128, -128, 12, 13, -128, -128, 14, 15};
-    const __m256i* index = reinterpret_cast<const __m256i*>(kIndex);
-    __asm__ volatile("" : "+r"(index));
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return VecF(_mm256_castsi256_ps(_mm256_shuffle_epi8(both, _mm256_load_si256(index))));
-  }
   static VecF load_fp16(const uint16_t* p) { return VecF(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static void load_bf16_pairs(const uint16_t* p, VecF& even, VecF& odd) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
