@@ -16,6 +16,11 @@
 //   head_gemm   pack_heads_items + head_gemm_items (bf16): x [T, H, K] · w [H, K, N] -> "y", "packed"
 //   decompress  decompress core (bf16): latent [L, r + rope], W_UK, W_UV -> "k", "v"
 //   mha         the normal path's MHA core (bf16): q, k, v -> "o", "lse"
+//   widen       vec::VecF::load_bf16 / load_bf16_n: x [N] bf16 bits (N a multiple of the
+//               level's W) -> "y" [W][N] fp32 bits: row 0 widened in whole vectors, row n
+//               (0 < n < W) in chunks of n lanes, each copied first into a heap buffer of
+//               exactly its size; "dirty" int64: lanes past the chunk that did not read +0
+//               (load_bf16_n(p, 0) included)
 // Buffers are allocated at exactly their size, so a read outside one is a sanitizer report.
 #define MLA_CORE_ONLY 1
 #include "attention_core.h"
@@ -27,6 +32,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -246,6 +252,43 @@ std::string run_mha(Case& c) {
   return {};
 }
 
+std::string run_widen(Case& c) {
+  using mla_native::vec::VecF;
+  constexpr int W = VecF::W;
+  const int64_t N = c.i("N");
+  if (N % W != 0) throw std::runtime_error("widen: N = " + std::to_string(N) + " is not a multiple of W");
+  const auto* x = c.arr<uint16_t>("x", N);
+  float* y = c.make<float>("y", W * N);
+  int64_t dirty = 0;
+  alignas(64) float lanes[W];
+  auto past = [&](int n) {  // lanes [n, W) of `lanes` that are not +0
+    for (int l = n; l < W; ++l) {
+      uint32_t u;
+      std::memcpy(&u, lanes + l, 4);
+      dirty += u != 0;
+    }
+  };
+  for (int64_t s = 0; s < N; s += W) VecF::load_bf16(x + s).store(y + s);
+  {
+    std::unique_ptr<uint16_t[]> none(new uint16_t[1]);
+    VecF::load_bf16_n(none.get() + 1, 0).store(lanes);  // one past the end: nothing may be read
+    past(0);
+  }
+  for (int n = 1; n < W; ++n) {
+    float* row = y + n * N;
+    for (int64_t s = 0; s < N; s += n) {
+      const int k = static_cast<int>(std::min<int64_t>(n, N - s));
+      std::unique_ptr<uint16_t[]> buf(new uint16_t[k]);  // exactly k: a read past it is reported
+      std::memcpy(buf.get(), x + s, static_cast<size_t>(k) * 2);
+      VecF::load_bf16_n(buf.get(), k).store(lanes);
+      std::memcpy(row + s, lanes, static_cast<size_t>(k) * 4);
+      past(k);
+    }
+  }
+  *c.make<int64_t>("dirty", 1) = dirty;
+  return {};
+}
+
 std::string run_case(Case& c) {
   const Bytes& op = c.raw("op");
   const std::string name(op.begin(), op.end());
@@ -254,6 +297,7 @@ std::string run_case(Case& c) {
   if (name == "head_gemm") return run_head_gemm(c);
   if (name == "decompress") return run_decompress(c);
   if (name == "mha") return run_mha(c);
+  if (name == "widen") return run_widen(c);
   throw std::runtime_error("unknown op '" + name + "'");
 }
 

@@ -10,7 +10,8 @@ torch-level native tests (:mod:`mla_backend.testing.native_checks`): absorbed at
 1 / 16 / 64 rows shuffled with NaN in never-written rows and garbage past each request's pages,
 strided q, kv splits, 2 threads, every cache layout: bf16 / fp16 / fp32 / per-tensor fp8 /
 fp8_ds_mla, out and LSE), the cache-row writers (bit for bit against the torch writer), the
-head GEMMs over packed weights, the decompression and the MHA (float64). Out-of-range page ids,
+head GEMMs over packed weights, the decompression, the MHA (float64) and the vector layer's
+bf16 widening (every bit pattern, every tail length, bit for bit). Out-of-range page ids,
 lengths, cu_seqlens and slots must be refused with a message naming the value and its range
 (under the sanitizers: without being read). SVE targets, whose instructions qemu emulates one
 by one, run the grid's lighter cases (:data:`SVE_MAX_COST`) plus kv splits on every layout
@@ -27,6 +28,7 @@ import math
 import platform
 import random
 import re
+import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -539,6 +541,35 @@ def _gemm_specs() -> list[Spec]:
     return specs
 
 
+# ---- the vector layer's bf16 widening ---------------------------------------------------------
+WIDEN_N = 1 << 16  # every bf16 bit pattern once (a multiple of every level's W)
+
+
+def _widen_spec() -> Spec:
+    """VecF::load_bf16 / load_bf16_n bit for bit against the definition (bits << 16) over all
+    65536 patterns (NaN payloads, infinities, denormals, -0), whole vectors and every tail
+    length 0 .. W - 1 of the level, each tail read from a buffer of exactly its size (a read
+    past it is a sanitizer report), lanes past the tail +0."""
+    x = torch.arange(WIDEN_N, dtype=torch.int32).to(torch.int16)  # bits 0x0000 .. 0xffff
+    want = (x.to(torch.int64) & 0xFFFF) << 16
+
+    def check(out: dict[str, bytes]) -> None:
+        assert "error" not in out, out.get("error", b"").decode()
+        w = len(out["y"]) // (4 * WIDEN_N)
+        assert w >= 1 and len(out["y"]) == 4 * w * WIDEN_N, f"y has {len(out['y'])} bytes"
+        y = cd.tensor(out["y"], torch.int32, (w, WIDEN_N)).to(torch.int64) & 0xFFFFFFFF
+        for n in range(w):
+            bad = (y[n] != want).nonzero()
+            assert bad.numel() == 0, (
+                f"tail {n} (0: whole vectors of {w}): {bad.numel()} patterns differ, first "
+                f"0x{int(x[bad[0, 0]]) & 0xFFFF:04x} -> 0x{int(y[n, bad[0, 0]]):08x}"
+            )
+        (dirty,) = struct.unpack("<q", out["dirty"])
+        assert dirty == 0, f"{dirty} lanes past a tail were not +0"
+
+    return Spec("widen-bf16-all", dict(op="widen", N=WIDEN_N, x=x), check)
+
+
 # ---- targets ----------------------------------------------------------------------------------
 def _host_levels() -> tuple[str, ...]:
     return host_isas() if platform.machine().lower() in ("x86_64", "amd64") else ()
@@ -551,7 +582,7 @@ TARGETS = cd.targets(_host_levels())
 def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Spec]]:
     """Every case written once: (folder, name -> spec)."""
     folder = tmp_path_factory.mktemp("core_cases")
-    specs = _attention_specs() + _write_specs() + _gemm_specs()
+    specs = _attention_specs() + _write_specs() + _gemm_specs() + [_widen_spec()]
     names = [s.name for s in specs]
     assert len(set(names)) == len(names), "duplicate case names"
     for s in specs:
