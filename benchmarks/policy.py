@@ -69,7 +69,11 @@ def fit_profile(base: DeviceProfile, shapes: Sequence[Measured]) -> DeviceProfil
     the most shapes right, least summed regret among those."""
     grid = [dataclasses.replace(base, **dict(zip(FIT_GRID, values)))
             for values in itertools.product(*FIT_GRID.values())]  # fmt: skip
-    return max(grid, key=lambda p: (score(p, shapes)[0], -score(p, shapes)[1]))
+    def rank(profile: DeviceProfile) -> tuple[int, float]:
+        right, regret = score(profile, shapes)
+        return right, -regret
+
+    return max(grid, key=rank)
 
 
 def main(argv: list[str] | None = None) -> int:
