@@ -50,6 +50,12 @@ class Measured:
     normal: float
 
 
+def is_right(picked: float, best: float) -> bool:
+    """A pick taking ``picked`` seconds where the faster path takes ``best`` is right when it is
+    the faster one or within :data:`CLOSE` of it (either is, within noise)."""
+    return picked == best or (picked - best) / best < CLOSE
+
+
 def score(profile: DeviceProfile, shapes: Sequence[Measured]) -> tuple[int, float]:
     """(right picks, summed regret) of ``profile`` on the measured shapes: a pick is right when
     it is the faster path or within :data:`CLOSE` of it; regret = picked / faster - 1."""
@@ -59,7 +65,7 @@ def score(profile: DeviceProfile, shapes: Sequence[Measured]) -> tuple[int, floa
         absorbed = absorbed_cost(dims, m.prefix, m.new, profile) <= normal_cost(
             dims, m.prefix, m.new, profile)
         picked, best = (m.absorbed if absorbed else m.normal), min(m.absorbed, m.normal)
-        right += picked == best or (picked - best) / best < CLOSE
+        right += is_right(picked, best)
         regret += picked / best - 1
     return right, regret
 
@@ -111,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured.append(Measured(h, P, N, ta, tn))
                 picked = mb.plan(b, dims, policy).mode
                 faster = "absorbed" if ta <= tn else "normal"
-                close = abs(ta - tn) / min(ta, tn) < CLOSE  # within noise: either is right
-                ok = picked == faster or close
+                ok = is_right(ta if picked == "absorbed" else tn, min(ta, tn))
                 agree += ok
                 total += 1
                 rows.append([str(h), str(P), str(N), f"{ta * 1e3:.1f}", f"{tn * 1e3:.1f}",
