@@ -17,7 +17,7 @@ import torch
 
 from ...cost import DeviceProfile
 from ...weights import absorb_q, apply_W_UV
-from .. import dense, paged, sdpa
+from .. import dense, indexer, paged, sdpa, sparse
 from . import ops as native
 from .build import ISA_LEVELS, selected_isa
 from .engine import attention_engine
@@ -54,6 +54,10 @@ class Kernels:
     name = "native"
     # shared helpers (composition: each is the same function in every implementation)
     gather_latent = staticmethod(paged.gather_latent)
+    write_index_keys = staticmethod(indexer.write_index_keys)
+    indexer_logits = staticmethod(indexer.indexer_logits)
+    indexer_topk = staticmethod(indexer.indexer_topk)
+    sparse_absorbed_attention = staticmethod(sparse.sparse_absorbed_attention)
 
     def __init__(self, isa: str | None = None, *, num_kv_splits: int = 0) -> None:
         if num_kv_splits < 0:
