@@ -302,7 +302,8 @@ def test_out_of_range_index_refused(kernels, bad):
 
 
 # ---- shapes drawn by hypothesis -----------------------------------------------------------------
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(
     H=st.integers(1, 20),
     Hi=st.integers(1, 70),
