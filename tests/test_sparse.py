@@ -20,12 +20,9 @@ import mla_backend as mb
 from mla_backend.index_cache import IndexCacheLayout
 from mla_backend.ops import native
 from mla_backend.testing.cases import DsaCase, index_fp8_dequantized, make_dsa_case
+from mla_backend.testing.dsa_checks import check_logits, check_sparse, check_topk, logit_bound
 from mla_backend.testing.native_checks import ATTENTION_DTYPES
-from mla_backend.testing.reference import (
-    reference_indexer_logits,
-    reference_sparse_attention,
-    reference_topk,
-)
+from mla_backend.testing.reference import reference_indexer_logits, reference_topk
 
 FP8 = torch.float8_e4m3fn
 DIMS = mb.MLADims(4, 40, 8, 8, 8)  # H, r, nope, rope, v: odd r (partial fp8_ds_mla tile)
@@ -54,44 +51,6 @@ def _case(kern, H=4, Hi=8, Di=64, topk=7, page=16, prefix=RAGGED[0], new=RAGGED[
     d = make_dsa_case(dims, mb.IndexerDims(Hi, Di, topk), list(prefix), list(new), page,
                       impl="torch", **kw)  # fmt: skip
     return d, d.plan(impl=kern)
-
-
-def _logit_bound(d: DsaCase, exact_inputs: bool) -> torch.Tensor:
-    """Per-logit error bound: fp32 sums (2^-20 of the sum of |terms|), plus one bf16 rounding
-    of q and k each (2^-8 x 2) where the inputs are rounded to bf16."""
-    q_abs = d.q_I.float().abs()
-    mag = reference_indexer_logits(q_abs, d.weights.abs(), [k.abs() for k in d.keys],
-                                   d.case.batch.new_lens)  # fmt: skip
-    rel = 2.0**-20 if exact_inputs else 2.0**-7
-    return mag * rel + 1e-6
-
-
-def _assert_topk_ok(idx: torch.Tensor, ref_logits: torch.Tensor, topk: int, tol: torch.Tensor):
-    """The selection is the oracle's top-k up to ``tol`` at the boundary: every selected
-    position scores at least the oracle's k-th best minus the slack, every visible position
-    left out at most the k-th best plus it; counts are min(topk, visible), positions
-    ascending and distinct, -1 after; where the boundary's gap exceeds the slack, the set is
-    the oracle's exactly."""
-    ref = reference_topk(ref_logits, topk)
-    for t in range(idx.shape[0]):
-        row = idx[t].tolist()
-        vis = int(torch.isfinite(ref_logits[t]).sum())
-        n = min(topk, vis)
-        assert row[n:] == [-1] * (topk - n), f"token {t}: padding {row}"
-        sel = row[:n]
-        assert sel == sorted(set(sel)) and all(0 <= p < vis for p in sel), f"token {t}: {row}"
-        if n == vis:
-            assert sel == list(range(vis))
-            continue
-        lg = ref_logits[t, :vis]
-        order = torch.sort(lg, descending=True).values
-        kth, nxt = order[n - 1].item(), order[n].item()
-        slack = 2 * tol[t, :vis].max().item()
-        if kth - nxt > slack:
-            assert sel == ref[t, :n].tolist(), f"token {t}: {sel} != oracle {ref[t].tolist()}"
-        chosen = torch.zeros(vis, dtype=torch.bool)
-        chosen[sel] = True
-        assert (lg[chosen] >= kth - slack).all() and (lg[~chosen] <= kth + slack).all()
 
 
 # ---- the index cache ----------------------------------------------------------------------
@@ -177,18 +136,14 @@ def test_indexer_logits_and_topk(kernels, index_dtype, q_dtype, page):
     d, plan = _case(kernels, page=page, index_dtype=index_dtype, q_dtype=q_dtype, seed=page)
     ref = reference_indexer_logits(d.q_I, d.weights, d.keys, d.case.batch.new_lens)
     lg = mb.indexer_logits(d.q_I, d.weights, d.index_cache, plan)
-    assert lg.dtype == torch.float32 and lg.shape == ref.shape
-    assert torch.equal(torch.isneginf(lg), torch.isneginf(ref))
     exact = _fp32_inputs(kernels) or q_dtype in (torch.bfloat16, FP8) and index_dtype in (
         torch.uint8, torch.bfloat16)  # fmt: skip
-    tol = _logit_bound(d, exact)
-    fin = torch.isfinite(ref)
-    err = (lg.double() - ref).abs()
-    assert (err[fin] <= tol[fin]).all(), f"max logit error {err[fin].max():.3g}"
+    tol = logit_bound(d, not exact)
+    check_logits(lg, ref, tol)
     for topk in (1, 7, 40, 300):
         idx = mb.indexer_topk(d.q_I, d.weights, d.index_cache, plan, topk)
         assert idx.dtype == torch.int32 and idx.shape == (plan.num_tokens, topk)
-        _assert_topk_ok(idx, ref, topk, tol)
+        check_topk(idx, ref, topk, tol)
 
 
 @pytest.mark.parametrize("topk", [1, 3, 10, 50])
@@ -227,21 +182,6 @@ def _indices(d: DsaCase, topk: int, seed: int) -> torch.Tensor:
     return idx.to(torch.int32)
 
 
-def _check_sparse(d, plan, o, lse, q_lat, q_pe, idx, scale, qdt):
-    c = d.case
-    ro, rl = reference_sparse_attention(q_lat, q_pe, c.c_kv, c.k_pe, c.batch.new_lens, idx, scale)
-    assert o.dtype == qdt and lse.dtype == torch.float32
-    none = (idx < 0).all(1)
-    assert torch.equal(torch.isneginf(lse), none[:, None].expand_as(lse))
-    assert (o[none] == 0).all()
-    some = ~none
-    lse_err = (lse[some].double() - rl[some]).abs().max().item() if some.any() else 0.0
-    assert lse_err <= 1e-3, lse_err
-    err = (o.double() - ro).abs().max().item()
-    bound = (2e-5 if qdt == torch.float32 else 2.0**-6) * max(1.0, ro.abs().max().item())
-    assert err <= bound, f"error {err:.3g} > {bound:.3g}"
-
-
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("qdt,cdt", ATTENTION_DTYPES, ids=str)
 def test_sparse_attention_equals_dense_masked(kernels, qdt, cdt, page):
@@ -255,7 +195,7 @@ def test_sparse_attention_equals_dense_masked(kernels, qdt, cdt, page):
         idx = _indices(d, topk, page)
         o, lse = mb.sparse_absorbed_attention(q_lat, q_pe, d.case.kv_cache, plan, idx, scale,
                                               d.case.kv_scale)  # fmt: skip
-        _check_sparse(d, plan, o, lse, q_lat, q_pe, idx, scale, qdt)
+        check_sparse(d, o, lse, q_lat, q_pe, idx, scale, qdt)
 
 
 def test_sparse_attention_all_selected_is_dense(kernels):
@@ -284,7 +224,7 @@ def test_sparse_attention_empty_and_out_buffers(kernels):
     o, lo = mb.sparse_absorbed_attention(q_lat, q_pe, d.case.kv_cache, plan, idx, 0.1,
                                          out=out, lse=lse)  # fmt: skip
     assert o.data_ptr() == out.data_ptr() and lo.data_ptr() == lse.data_ptr()
-    _check_sparse(d, plan, o, lo, q_lat, q_pe, idx, 0.1, torch.bfloat16)
+    check_sparse(d, o, lo, q_lat, q_pe, idx, 0.1, torch.bfloat16)
 
 
 @pytest.mark.parametrize("bad", [130, 10**6, -2])
@@ -323,12 +263,12 @@ def test_hypothesis_shapes(kernels, H, Hi, Di, page, reqs, topk, fp8, seed):
                     dtype=torch.bfloat16, seed=seed)  # fmt: skip
     ref = reference_indexer_logits(d.q_I, d.weights, d.keys, d.case.batch.new_lens)
     idx = mb.indexer_topk(d.q_I, d.weights, d.index_cache, plan, topk)
-    _assert_topk_ok(idx, ref, topk, _logit_bound(d, True))
+    check_topk(idx, ref, topk, logit_bound(d, False))
     T = plan.num_tokens
     q_lat = torch.randn(T, H, DIMS.kv_lora_rank).bfloat16()
     q_pe = torch.randn(T, H, DIMS.qk_rope_head_dim).bfloat16()
     o, lse = mb.sparse_absorbed_attention(q_lat, q_pe, d.case.kv_cache, plan, idx, 0.15)
-    _check_sparse(d, plan, o, lse, q_lat, q_pe, idx, 0.15, torch.bfloat16)
+    check_sparse(d, o, lse, q_lat, q_pe, idx, 0.15, torch.bfloat16)
 
 
 # ---- the entry points' checks and the plan ---------------------------------------------------
