@@ -39,9 +39,10 @@ from .cache_layout import CacheLayout
 from .checks import check_step
 from .fp8 import FP8_DTYPE
 from .index_cache import IndexCacheLayout
-from .ops import KernelImpl, get_impl
+from .ops import KernelImpl
 from .parts import SparsePart
 from .plan import MLAPlan
+from .selection import get_impl
 
 #: dtypes of the indexer's queries (e4m3: vLLM's quantized q, its scale folded into weights)
 INDEX_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)

@@ -36,7 +36,7 @@ def kernels(request: pytest.FixtureRequest, isa: str) -> object:
     if request.param == "torch":
         if isa != native.host_isas()[0]:
             pytest.skip("the torch path runs once")
-        return mb.ops.get_impl(torch.device("cpu"), "torch")
+        return mb.selection.get_impl(torch.device("cpu"), "torch")
     return native.Kernels(isa=isa)
 
 
