@@ -16,7 +16,15 @@ Which implementation runs on a device is decided once, above the implementations
 
 from __future__ import annotations
 
-from .base import AbsorbedCall, KernelImpl, LatentWrite
+from .base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
 from .registry import IMPLS
 
-__all__ = ["IMPLS", "AbsorbedCall", "KernelImpl", "LatentWrite"]
+__all__ = [
+    "IMPLS",
+    "AbsorbedCall",
+    "IndexKeyWrite",
+    "IndexerCall",
+    "KernelImpl",
+    "LatentWrite",
+    "SparseCall",
+]

@@ -3,9 +3,10 @@ with the shared defaults, and the typed records its calls take.
 
 An implementation subclasses :class:`KernelImpl`, sets ``name`` and overrides only what it does
 differently; it is registered with the seam's registry (:mod:`mla_backend.ops.registry`). The
-per-layer calls take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`), validated
-once at the public entry points (:mod:`mla_backend.attention`), so no implementation retypes
-their arguments. Per-plan state an implementation
+per-layer calls take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`; DSA's
+:class:`IndexKeyWrite`, :class:`IndexerCall`, :class:`SparseCall`), validated once at the public
+entry points (:mod:`mla_backend.attention`, :mod:`mla_backend.sparse`), so no implementation
+retypes their arguments. Per-plan state an implementation
 keeps (a schedule, a planned third-party wrapper) is a :class:`~mla_backend.parts.PlanState`,
 stored in the plan's :class:`~mla_backend.parts.WorkPartition`; plan-time calls take a
 :class:`~mla_backend.parts.StepShape`.
@@ -36,7 +37,16 @@ if TYPE_CHECKING:
     from ..index_cache import IndexCacheLayout
     from ..parts import PlanPart, SparsePart
 
-__all__ = ["AbsorbedCall", "KernelImpl", "LatentWrite", "PlanState", "StepShape"]
+__all__ = [
+    "AbsorbedCall",
+    "IndexKeyWrite",
+    "IndexerCall",
+    "KernelImpl",
+    "LatentWrite",
+    "PlanState",
+    "SparseCall",
+    "StepShape",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,60 @@ class AbsorbedCall:
             self.lse.copy_(lse)
             lse = self.lse
         return o, lse
+
+
+@dataclass(frozen=True)
+class IndexKeyWrite:
+    """One write of DSA indexer keys into the paged index cache.
+
+    Attributes:
+        index_cache: [num_pages, page_size, layout.width] in ``layout`` (written in place).
+        layout: the cache's :class:`~mla_backend.index_cache.IndexCacheLayout`.
+        k_I: [T, Di] bf16/fp16/fp32 keys.
+        slot_mapping: [>= T] int32/int64 flat slot per token (< 0: padding, skipped).
+    """
+
+    index_cache: torch.Tensor
+    layout: IndexCacheLayout
+    k_I: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@dataclass(frozen=True)
+class IndexerCall:
+    """One call of the lightning indexer over the step's cached keys.
+
+    Attributes:
+        q_I: [T, Hi, Di] bf16/fp16/fp32/float8_e4m3fn, last dim contiguous.
+        weights: [T, Hi] float32, every scale folded in (see :mod:`mla_backend.sparse`).
+        index_cache: the paged index cache in ``layout``, read through ``part.block_table``.
+        layout: the index cache's layout.
+        part: the whole step (``MLAPlan.step``).
+        sparse: the step's per-token DSA data (:class:`~mla_backend.parts.SparsePart`).
+    """
+
+    q_I: torch.Tensor
+    weights: torch.Tensor
+    index_cache: torch.Tensor
+    layout: IndexCacheLayout
+    part: PlanPart
+    sparse: SparsePart
+
+
+@dataclass(frozen=True)
+class SparseCall:
+    """One sparse absorbed attention call: each query token over its own index list.
+
+    Attributes:
+        attn: the absorbed call's record (queries, latent cache, layout, the whole step as
+            ``part``, scales, ``out`` / ``lse`` buffers); its kv range is replaced by the lists.
+        sparse: the step's per-token DSA data.
+        indices: [T, k] int32/int64 logical positions within each token's request (-1: none).
+    """
+
+    attn: AbsorbedCall
+    sparse: SparsePart
+    indices: torch.Tensor
 
 
 class KernelImpl:
@@ -182,65 +246,34 @@ class KernelImpl:
         return sdpa.attention_with_lse(q, k, v, causal, scale)
 
     # ---- per layer: DSA (the lightning indexer and the sparse attention) ------------------
-    def write_index_keys(
-        self,
-        index_cache: torch.Tensor,
-        layout: IndexCacheLayout,
-        k_I: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Write the indexer keys k_I [T, Di] to ``slot_mapping`` [>= T] (< 0 skipped) of
-        ``index_cache`` in ``layout``, in place (:func:`.indexer.write_index_keys`)."""
-        indexer.write_index_keys(index_cache, layout, k_I, slot_mapping)
+    def write_index_keys(self, w: IndexKeyWrite) -> None:
+        """Write the indexer keys into the index cache, in place (see :class:`IndexKeyWrite`;
+        :func:`mla_backend.ops.indexer.write_index_keys`)."""
+        indexer.write_index_keys(w.index_cache, w.layout, w.k_I, w.slot_mapping)
 
-    def indexer_logits(
-        self,
-        q_I: torch.Tensor,
-        weights: torch.Tensor,
-        index_cache: torch.Tensor,
-        layout: IndexCacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """float32 [T, sparse_part.max_kv_len] indexer logits, -inf where a token does not see
-        the position (:func:`mla_backend.ops.indexer.indexer_logits`)."""
-        return indexer.indexer_logits(q_I, weights, index_cache, layout, part, sparse_part, out)
-
-    def indexer_topk(
-        self,
-        q_I: torch.Tensor,
-        weights: torch.Tensor,
-        index_cache: torch.Tensor,
-        layout: IndexCacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        topk: int,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[T, topk] int32: each token's selected positions, ascending, -1 padded (the rule of
-        :mod:`mla_backend.ops.indexer`)."""
-        return indexer.indexer_topk(
-            q_I, weights, index_cache, layout, part, sparse_part, topk, out
+    def indexer_logits(self, call: IndexerCall, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [T, call.sparse.max_kv_len] indexer logits (into ``out`` when given), -inf
+        where a token does not see the position (:func:`mla_backend.ops.indexer.logits`)."""
+        return indexer.indexer_logits(
+            call.q_I, call.weights, call.index_cache, call.layout, call.part, call.sparse, out
         )
 
-    def sparse_absorbed_attention(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        indices: torch.Tensor,
-        softmax_scale: float,
-        kv_scale: torch.Tensor | None,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(o_lat [T, H, r] in q's dtype, lse [T, H] float32) of each token over its own index
-        list (:func:`mla_backend.ops.sparse.sparse_absorbed_attention`)."""
+    def indexer_topk(
+        self, call: IndexerCall, topk: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, topk] int32 (into ``out`` when given): each token's selected positions,
+        ascending, -1 padded (the rule of :mod:`mla_backend.ops.indexer`)."""
+        return indexer.indexer_topk(
+            call.q_I, call.weights, call.index_cache, call.layout, call.part, call.sparse, topk,
+            out,
+        )  # fmt: skip
+
+    def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_lat [T, H, r] in q's dtype, lse [T, H] float32, natural log) of each token over
+        its own index list, in ``call.attn.out`` / ``call.attn.lse`` when given
+        (:func:`mla_backend.ops.sparse.sparse_absorbed_attention`)."""
+        a = call.attn
         return sparse.sparse_absorbed_attention(
-            q_lat, q_pe, kv_cache, layout, part, sparse_part, indices, softmax_scale, kv_scale,
-            out, lse,
+            a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part, call.sparse, call.indices,
+            a.softmax_scale, a.kv_scale, a.out, a.lse,
         )  # fmt: skip

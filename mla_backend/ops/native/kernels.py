@@ -18,16 +18,14 @@ import torch
 
 from ...cost import DeviceProfile
 from ...decision import Decision
-from ..base import AbsorbedCall, KernelImpl, LatentWrite, StepShape
+from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
 from . import ops as native
 from .engine import select_engine
 from .isa import ISA_LEVELS, select_isa
 from .profile import profile_for
 
 if TYPE_CHECKING:
-    from ...cache_layout import CacheLayout
     from ...index_cache import IndexCacheLayout
-    from ...parts import PlanPart, SparsePart
     from ...weights import AbsorbWeights
 
 
@@ -224,64 +222,35 @@ class Kernels(KernelImpl):
             return True
         return layout.quant_block_size % 2 == 0 and layout.scales_per_key <= 64
 
-    def indexer_logits(
-        self,
-        q_I: torch.Tensor,
-        weights: torch.Tensor,
-        index_cache: torch.Tensor,
-        layout: IndexCacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if not self._native_index(layout):
-            return super().indexer_logits(
-                q_I, weights, index_cache, layout, part, sparse_part, out
-            )
+    def indexer_logits(self, call: IndexerCall, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._native_index(call.layout):
+            return super().indexer_logits(call, out)
+        part = call.part
         res = native.indexer_logits(
-            q_I, weights, index_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
-            layout.quant_block_size, sparse_part.max_kv_len, part.max_page_id, isa=self.level,
+            call.q_I, call.weights, call.index_cache, part.block_table, part.cu_new_t,
+            part.kv_lens_t, call.layout.quant_block_size, call.sparse.max_kv_len,
+            part.max_page_id, isa=self.level,
         )  # fmt: skip
         return res if out is None else out.copy_(res)
 
     def indexer_topk(
-        self,
-        q_I: torch.Tensor,
-        weights: torch.Tensor,
-        index_cache: torch.Tensor,
-        layout: IndexCacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        topk: int,
-        out: torch.Tensor | None = None,
+        self, call: IndexerCall, topk: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not self._native_index(layout):
-            return super().indexer_topk(
-                q_I, weights, index_cache, layout, part, sparse_part, topk, out
-            )
+        if not self._native_index(call.layout):
+            return super().indexer_topk(call, topk, out)
+        part = call.part
         return native.indexer_topk(
-            q_I, weights, index_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
-            layout.quant_block_size, topk, part.max_page_id, out, isa=self.level,
+            call.q_I, call.weights, call.index_cache, part.block_table, part.cu_new_t,
+            part.kv_lens_t, call.layout.quant_block_size, topk, part.max_page_id, out,
+            isa=self.level,
         )  # fmt: skip
 
-    def sparse_absorbed_attention(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        indices: torch.Tensor,
-        softmax_scale: float,
-        kv_scale: torch.Tensor | None,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         # page ids were bounds-checked at the entry point (part.max_page_id); the op checks
         # every index against its request's kv length before reading the cache
+        a, part = call.attn, call.attn.part
         return native.sparse_attention(
-            q_lat, q_pe, kv_cache, part.block_table, part.cu_new_t, part.kv_lens_t, indices,
-            sparse_part.token_req_t, softmax_scale, kv_scale, part.max_page_id, out, lse,
-            isa=self.level, engine=self.engine,
+            a.q_lat, a.q_pe, a.kv_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
+            call.indices, call.sparse.token_req_t, a.softmax_scale, a.kv_scale,
+            part.max_page_id, a.out, a.lse, isa=self.level, engine=self.engine,
         )  # fmt: skip
