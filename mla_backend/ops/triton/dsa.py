@@ -200,11 +200,20 @@ def _indexer_topk_op(
         tc = min(chunk, T - t0)
         _launch_logits(q_I, weights, index_cache, block_table, token_req, token_pos, scratch,
                        t0, tc, quant_block, width, False, fp8_bits)  # fmt: skip
-        wrap_triton(topk_select_kernel)[(tc,)](
-            scratch, token_pos, out, t0, topk, scratch.stride(0), out.stride(0),
-            BLOCK=SELECT_BLOCK, RADIX_BITS=RADIX_BITS, num_warps=8,
-        )  # fmt: skip
+        select_topk(scratch, token_pos, out, t0, tc)
     return out
+
+
+def select_topk(
+    logits: torch.Tensor, token_pos: torch.Tensor, out: torch.Tensor, t0: int, tc: int
+) -> None:
+    """The top-k rule over rows ``0 .. tc`` of ``logits`` (float32 [>= tc, W], row i = token
+    ``t0 + i``, which sees positions ``0 .. token_pos[t0 + i]``) into rows ``t0 .. t0 + tc`` of
+    ``out`` (int32 [T, topk]): one program per row (:func:`.jit.indexer.topk_select_kernel`)."""
+    wrap_triton(topk_select_kernel)[(tc,)](
+        logits, token_pos, out, t0, out.shape[1], logits.stride(0), out.stride(0),
+        BLOCK=SELECT_BLOCK, RADIX_BITS=RADIX_BITS, num_warps=8,
+    )  # fmt: skip
 
 
 def _indexer_args(call: IndexerCall, fp8_mode: str | None) -> tuple:
