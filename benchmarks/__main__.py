@@ -1,7 +1,7 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, sparse, vllm, serve, sglang, gpu, fp8-accuracy); each writes
-``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
-the roofline PNGs from ``decode-latest.md``."""
+layer, policy, sparse, vllm, serve, sglang, gpu, gpu-sparse, dsa-resources, fp8-accuracy); each
+writes ``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot``
+redraws the roofline PNGs from ``decode-latest.md``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ COMMANDS = {
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),
     "plot": ("plot", "roofline PNG per ISA level from decode-latest.md (needs matplotlib)"),
     "gpu": ("gpu", "Triton kernels on a GPU vs FlashMLA-style baselines"),
+    "gpu-sparse": ("gpu_sparse", "DSA decode on a GPU (Triton): indexer + sparse vs dense"),
+    "dsa-resources": ("dsa_resources", "DSA Triton kernels compiled for sm_90a: regs, spills"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
 }
 

@@ -15,10 +15,13 @@ lightning indexer's logits and causal top-k, and the sparse absorbed attention, 
 - ``mla_backend::triton_sparse_attention``: (o [T, H, r], lse [T, H]); long lists split into
   pieces merged by LSE when the batch is too small to fill the GPU.
 
-Dot operands: the queries' and keys' common exact type (e4m3 x e4m3 stays e4m3, with full fp32
-accumulation; e4m3 / bf16 -> bf16; e4m3 / fp16 -> fp16; anything with fp32 -> fp32 IEEE). Under
-the interpreter bf16 operands are widened to fp32 (see :mod:`.ops`). Nothing here reads tensor
-data on the host: sizes come from shapes and the plan's host ints.
+Indexer dot operands: the queries' and keys' common exact type (e4m3 / bf16 -> bf16, e4m3 x e4m3
+included; e4m3 / fp16 -> fp16; anything with fp32 -> fp32 IEEE), accumulated in fp32. Hopper's
+fp8 tensor-core dots accumulate with reduced precision unless promoted to fp32 after every
+instruction, and Triton 3.6 compiles the promoted form to ``mma.sync`` instead of ``wgmma``;
+at decode the indexer is bound by reading its keys (132 bytes per 16K FLOPs), so e4m3 operands
+go to exact bf16 dots. Under the interpreter bf16 operands are widened to fp32 (see :mod:`.ops`).
+Nothing here reads tensor data on the host: sizes come from shapes and the plan's host ints.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
-import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ... import fp8 as _fp8
@@ -46,17 +48,21 @@ if TYPE_CHECKING:
 FP8 = _fp8.FP8_DTYPE
 #: float32 elements of the top-k's logits scratch (chunks of tokens x max_kv_len)
 LOGITS_BUDGET = 1 << 25
-#: key / index rows per step of the indexer and the sparse attention (FlashMLA's 64)
-BLOCK_N = 64
+#: keys per step of the indexer
+INDEX_BLOCK_N = 64
+#: ``num_stages`` and ``num_warps`` (latents >= 256 wide) of the sparse attention: the sm_90a
+#: compile (``python -m benchmarks dsa-resources``) spills at 64 heads with 3 stages and at 16
+#: heads of ``fp8_ds_mla`` with 4 warps; these do not
+SPARSE_STAGES = 2
+SPARSE_WARPS = 8
 #: positions per step of the top-k selection; histogram digit width
 SELECT_BLOCK = 1024
 RADIX_BITS = 8
 #: latent column chunks of the sparse attention: at most this many of at most FP8_TILE values
 MAX_CHUNKS = 4
-#: a split of the sparse attention takes at least this many blocks of BLOCK_N indices
+#: a split of the sparse attention takes at least this many blocks of indices
 MIN_BLOCKS_PER_SPLIT = 4
 _LOG2E = 1.0 / math.log(2.0)
-_DOT_TL = {**_TL_DTYPE, FP8: tl.float8e4nv}
 
 
 def sparse_supported(r: int) -> bool:
@@ -69,10 +75,8 @@ def indexer_supported(num_blocks: int) -> bool:
     return num_blocks <= 16
 
 
-def _dot_dtype(q: torch.dtype, k: torch.dtype, bits: bool) -> torch.dtype:
+def _dot_dtype(q: torch.dtype, k: torch.dtype) -> torch.dtype:
     """The dot operands' dtype for queries ``q`` and keys ``k`` (e4m3 = FP8): exact for both."""
-    if q == k == FP8 and not bits:
-        return FP8
     if q in (torch.bfloat16, FP8) and k in (torch.bfloat16, FP8):
         return torch.float32 if hx.interpreting() else torch.bfloat16
     if q in (torch.float16, FP8) and k in (torch.float16, FP8):
@@ -142,24 +146,23 @@ def _launch_logits(
     nb = Di // qb
     q_dt = q_I.dtype
     k_dt = FP8 if fp8_cache else index_cache.dtype
-    dot = _dot_dtype(q_dt, k_dt, bits)
+    dot = _dot_dtype(q_dt, k_dt)
     q_bits = bits and q_dt == FP8
     q_arg = q_I.view(torch.uint8) if q_bits else q_I
     if fp8_cache:
         cache_arg = index_cache if bits else index_cache.view(FP8)
     else:
         cache_arg = index_cache
-    blocks = triton.cdiv(max(width, 1), BLOCK_N)
+    blocks = triton.cdiv(max(width, 1), INDEX_BLOCK_N)
     splits = max(1, min(blocks, triton.cdiv(hx.PROGRAMS_PER_SM * hx.sm_count(q_I.device), tc)))
     wrap_triton(indexer_logits_kernel)[(tc, splits)](
         q_arg, weights, cache_arg, block_table, token_req, token_pos, out, t0,
         Hi, Di, index_cache.shape[1], qb, nb, width, splits,
         q_I.stride(0), q_I.stride(1), weights.stride(0), index_cache.stride(0),
         block_table.stride(0), out.stride(0),
-        BLOCK_H=hx.dim_block(Hi), BLOCK_N=BLOCK_N, BLOCK_QB=hx.dim_block(qb), NUM_QB=nb,
+        BLOCK_H=hx.dim_block(Hi), BLOCK_N=INDEX_BLOCK_N, BLOCK_QB=hx.dim_block(qb), NUM_QB=nb,
         FP8_CACHE=fp8_cache, Q_BITS=q_bits, K_BITS=bits and fp8_cache,
-        DOT_DTYPE=_DOT_TL[dot], IEEE=dot == torch.float32,
-        PRECISE_FP8=dot == FP8, FILL=fill, num_warps=4,
+        DOT_DTYPE=_TL_DTYPE[dot], IEEE=dot == torch.float32, FILL=fill, num_warps=4,
     )  # fmt: skip
 
 
@@ -252,19 +255,22 @@ def indexer_topk(
 # ----------------------------------------------------------------------------------------
 
 
-def sparse_tiles(r: int, num_heads: int) -> tuple[int, int, int]:
-    """(CHUNK, NUM_CHUNKS, BLOCK_H) of the sparse attention for latent width r and H heads:
-    chunks of at most one fp8 tile (128), heads up to 64 per program (the MMA's M)."""
+def sparse_tiles(r: int, num_heads: int) -> tuple[int, int, int, int]:
+    """(CHUNK, NUM_CHUNKS, BLOCK_H, BLOCK_N) of the sparse attention for latent width r and H
+    heads: chunks of at most one fp8 tile (128), heads up to 64 per program (the MMA's M),
+    indices per step 64 (FlashMLA's block), 32 with 64 heads of a wide latent
+    (:func:`heuristics.kv_block`: 64 spills there on sm_90a)."""
     chunk = min(FP8_TILE, hx.dim_block(r))
-    return chunk, -(-r // chunk), min(hx.ROWS_PER_PROGRAM, hx.dim_block(num_heads))
+    block_h = min(hx.ROWS_PER_PROGRAM, hx.dim_block(num_heads))
+    return chunk, -(-r // chunk), block_h, hx.kv_block(hx.dim_block(r), block_h)
 
 
-def sparse_splits(num_tokens: int, head_blocks: int, num_idx: int, device: torch.device,
-                  forced: int | None = None) -> tuple[int, int]:  # fmt: skip
+def sparse_splits(num_tokens: int, head_blocks: int, num_idx: int, block_n: int,
+                  device: torch.device, forced: int | None = None) -> tuple[int, int]:  # fmt: skip
     """(splits, index blocks per split) of a sparse attention call: enough programs for
     :data:`heuristics.PROGRAMS_PER_SM` per SM, each split at least
-    :data:`MIN_BLOCKS_PER_SPLIT` blocks (``forced``: that many splits)."""
-    blocks = triton.cdiv(num_idx, BLOCK_N)
+    :data:`MIN_BLOCKS_PER_SPLIT` blocks of ``block_n`` (``forced``: that many splits)."""
+    blocks = triton.cdiv(num_idx, block_n)
     if blocks == 0:
         return 1, 0
     if forced is not None:
@@ -299,7 +305,7 @@ def _sparse_attention_op(
     if _skip_launch(q_lat):
         return o, lse
     _check_runnable(dev, sparse_attn_kernel)
-    chunk, n_chunks, block_h = sparse_tiles(r, H)
+    chunk, n_chunks, block_h, block_n = sparse_tiles(r, H)
     round_bf16 = hx.interpreting() and cd == torch.bfloat16
     dot = torch.float32 if round_bf16 else cd
     ds = kv_cache.dtype == torch.uint8
@@ -318,12 +324,12 @@ def _sparse_attention_op(
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), block_table.stride(0), indices.stride(0), o.stride(0), o.stride(1),
         lse.stride(0), lse.stride(1),
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N, CHUNK=chunk, NUM_CHUNKS=n_chunks,
+        BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk, NUM_CHUNKS=n_chunks,
         BLOCK_ROPE=hx.dim_block(rope), HAS_ROPE=rope > 0, HAS_SCALE=has_scale,
         FP8_BITS=fp8_bits, DOT_DTYPE=_TL_DTYPE[dot], P_DTYPE=_TL_DTYPE[cd],
         IEEE=dot == torch.float32, ROUND_BF16=round_bf16, ROUND_OUT=round_bf16 and not split,
         DS=ds, ROPE_DTYPE=_TL_DTYPE[cd], SPLIT=split,
-        num_warps=hx.num_warps(block_h, chunk * n_chunks),
+        num_warps=SPARSE_WARPS if r >= 256 else 4, num_stages=SPARSE_STAGES,
     )  # fmt: skip
     if split:
         mb_h = min(hx.next_pow2(H), 16)
@@ -351,9 +357,9 @@ def sparse_attention(
         raise ValueError("kv_cache must be contiguous in its last dimension")
     if T:
         torch_sparse.check_indices(call.indices, part, call.sparse)
-    chunk, n_chunks, block_h = sparse_tiles(r, H)
+    _, _, block_h, block_n = sparse_tiles(r, H)
     splits, per = sparse_splits(max(T, 1), triton.cdiv(max(H, 1), block_h), call.indices.shape[1],
-                                dev, num_splits)  # fmt: skip
+                                block_n, dev, num_splits)  # fmt: skip
     lay = a.layout
     ds = lay.kind == "fp8_ds_mla"
     bits = lay.kind != "plain" and _resolve_fp8_mode(fp8_mode, dev) == "bits"

@@ -126,7 +126,6 @@ def indexer_logits_kernel(
     K_BITS: tl.constexpr,  # the fp8 cache is read as bytes: decode with integer ops
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
-    PRECISE_FP8: tl.constexpr,  # fp8 x fp8 dot: full fp32 accumulation (Hopper's default is not)
     FILL: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -169,10 +168,7 @@ def indexer_logits_kernel(
             if K_BITS:
                 k = _e4m3_bits_to_f32(k)
             k = k.to(DOT_DTYPE)
-            if PRECISE_FP8:
-                part = tl.dot(q, tl.trans(k), max_num_imprecise_acc=0)
-            else:
-                part = _dot(q, tl.trans(k), IEEE)
+            part = _dot(q, tl.trans(k), IEEE)
             if FP8_CACHE:
                 sc_ptr = (page_base + page_size * head_dim + slot * (num_blocks * 4)).to(
                     tl.pointer_type(tl.float32)
