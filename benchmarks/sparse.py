@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default=None, help="native ISA level (default: the selected one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-time", type=float, default=0.1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch / kernel threads (default: torch's); 1 keeps the ratios steady "
+                    "on a shared, loaded machine (no thread waits on a descheduled peer)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     isa = args.isa or harness.selected_isa()
     roof = roofline.Roofline([isa])

@@ -80,7 +80,7 @@ void run_sparse_item(const Params& P, const SparseIndex& S, const Item& it, Engi
       E.zero_q(m);
       lim[m] = 0;
     }
-    mrow[m] = kNegInf;
+    mrow[m] = -std::numeric_limits<float>::infinity();
     lrow[m] = 0.0f;
   }
   E.start_item(rows_pad);
@@ -99,7 +99,7 @@ void run_sparse_item(const Params& P, const SparseIndex& S, const Item& it, Engi
   const int64_t r = P.r;
   for (int m = 0; m < rows; ++m) {
     const int64_t R = it.row0 + m;
-    float inv = 0.0f, lse = kNegInf;
+    float inv = 0.0f, lse = -std::numeric_limits<float>::infinity();
     if (lrow[m] > 0.0f) {
       inv = P.out_scale / lrow[m];
       lse = mrow[m] + std::log(lrow[m]);
