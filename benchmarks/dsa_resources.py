@@ -11,7 +11,7 @@ dtypes, 16-divisible pointers and ints, ints equal to 1 as constants). Each laun
 with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; the bundled ``ptxas -v`` gives
 registers and spills, ``cuobjdump -sass`` the local-memory traffic (``LDL`` / ``STL``).
 
-    python -m benchmarks dsa-resources [--arch 90] [--out FILE]
+    python -m benchmarks dsa-resources [--arch 90] [--configs ...] [--out DIR]
 
 Needs ``triton`` (3.6.0 is the GPU machine's version) and no GPU; run it without
 ``TRITON_INTERPRET`` (a process that imported Triton with the interpreter on cannot compile).
@@ -27,8 +27,11 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from . import harness
 
 R, ROPE, PAGE, HI, DI, TOPK = 512, 64, 64, 64, 128, 2048
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
@@ -108,13 +111,13 @@ def record(name: str) -> list[Launch]:
 
 #: name -> (latent cache, heads, q_I dtype, forced sparse splits)
 CONFIGS = {
-    "bf16 h128": ("bf16", 128, torch.float8_e4m3fn, 1),
-    "bf16 h128 split": ("bf16", 128, torch.float8_e4m3fn, 4),
-    "fp8_ds_mla h128": ("fp8_ds_mla", 128, torch.float8_e4m3fn, 1),
-    "fp8 h128": ("fp8", 128, torch.float8_e4m3fn, 1),
-    "bf16 h16": ("bf16", 16, torch.float8_e4m3fn, 1),
-    "fp8_ds_mla h16 (bf16 q_I)": ("fp8_ds_mla", 16, torch.bfloat16, 1),
+    f"{cache} h{h}{' split' if split > 1 else ''}": (cache, h, torch.float8_e4m3fn, split)
+    for cache in ("bf16", "fp8", "fp8_ds_mla")
+    for h in (128, 64, 32, 16)
+    for split in (1, 4)
+    if split == 1 or (cache, h) == ("bf16", 128)
 }
+CONFIGS["fp8_ds_mla h16 (bf16 q_I)"] = ("fp8_ds_mla", 16, torch.bfloat16, 1)
 
 
 def source(launch: Launch) -> tuple[object, dict]:
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    p.add_argument("--out", default=None,
+                   help="directory for dsa_resources-latest.md (default benchmarks/results)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("benchmarks dsa-resources: unset TRITON_INTERPRET (it compiles for a GPU)")
@@ -202,26 +206,33 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("benchmarks dsa-resources: needs triton (pip install triton==3.6.0)")
         return 0
-    header = "| config | kernel | warps | MMA | regs | spill st/ld B | LDL+STL | smem KB |"
-    lines = [f"Triton {triton.__version__}, sm_{a.arch}a; r {R} + rope {ROPE}, page {PAGE}, "
-             f"indexer {HI} x {DI}, topk {TOPK}", "", header, "|---" * 8 + "|"]  # fmt: skip
-    print("\n".join(lines), flush=True)
+    header = ("config", "kernel", "warps", "MMA", "regs", "spill st/ld B", "LDL+STL", "smem KB")
+    rows = []
     seen: set[tuple] = set()
     for name in a.configs.split(","):
         for launch in record(name):
-            key = (launch.kernel.__name__, tuple(sorted(launch.kwargs.items(), key=str)))
-            if key in seen:  # the same kernel and constexprs: the same binary
+            dtypes = tuple(str(x.dtype) for x in launch.args if isinstance(x, torch.Tensor))
+            key = (launch.kernel.__name__, dtypes, tuple(sorted(launch.kwargs.items(), key=str)))
+            if key in seen:  # the same kernel, pointer types and constexprs: the same binary
                 continue
             seen.add(key)
             r = compile_launch(launch, a.arch)
             if "error" in r:
-                line = f"| {name} | {r['kernel']} | {r['warps']} | failed: {r['error']} |||||"
+                rows.append([name, str(r["kernel"]), str(r["warps"]), f"failed: {r['error']}",
+                             "", "", "", ""])  # fmt: skip
             else:
-                line = (f"| {name} | {r['kernel']} | {r['warps']} | {r['mma']} | {r['regs']} | "
-                        f"{r['spill']} | {r['ldl_stl']} | {r['smem_kb']} |")  # fmt: skip
-            lines.append(line)
-            print(line, flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+                rows.append([name, str(r["kernel"]), str(r["warps"]), str(r["mma"]),
+                             str(r["regs"]), str(r["spill"]), str(r["ldl_stl"]),
+                             str(r["smem_kb"])])  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+    notes = [
+        f"Triton {triton.__version__} compiled for sm_{a.arch}a on this CPU (no GPU); ptxas -v "
+        "(bundled) for registers / spills, cuobjdump -sass for LDL / STL",
+        f"shapes: r {R} + rope {ROPE}, page {PAGE}, indexer {HI} x {DI} (e4m3 q_I unless "
+        f"named), topk {TOPK}, decode; launches recorded from the public DSA calls (the same "
+        "constexprs, warps and stages a call launches); a binary shared by several configs is "
+        "listed once (64 and 128 heads: one 64-head block)",
+    ]
+    harness.write_result("dsa_resources", "DSA Triton kernels compiled for Hopper", notes,
+                         harness.table(header, rows), Path(a.out) if a.out else None)  # fmt: skip
     return 0

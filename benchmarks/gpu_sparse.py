@@ -16,11 +16,12 @@ indexer's selection. Throughput accounting:
 
 Before timing, each shape is checked against the torch path on the same device: the top-k sets
 (``agree``: the fraction of equal entries; near-ties may differ) and the sparse output
-(``max|o-torch|`` on the same index lists). The table is printed and, with ``--out``, written
-as markdown (the GPU run script keeps it for ``benchmarks/results/gpu_sparse-latest.md``).
+(``max abs(o - torch)`` on the same index lists). The table is printed and, with ``--out DIR``,
+kept as ``DIR/gpu_sparse-latest.md`` (the GPU run writes it to its output folder; commit it to
+``benchmarks/results/``).
 
 Usage: python -m benchmarks gpu-sparse [--batches 64,128] [--lens 8192,32768]
-           [--caches bf16,fp8_ds_mla] [--heads 128] [--topk 2048] [--no-check] [--out FILE]
+           [--caches bf16,fp8_ds_mla] [--heads 128] [--topk 2048] [--no-check] [--out DIR]
        TRITON_INTERPRET=1 python -m benchmarks gpu-sparse --smoke   (CPU: plumbing only)
 """
 
@@ -29,8 +30,11 @@ from __future__ import annotations
 import argparse
 import datetime
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+from . import harness
 
 R, ROPE, PAGE, HI, DI = 512, 64, 64, 64, 128
 INDEX_BYTES = DI + 4
@@ -158,11 +162,10 @@ def sweep(dev: torch.device, batches: list[int], lens: list[int], heads: list[in
     return rows
 
 
-def markdown(rows: list[list[str]], notes: list[str]) -> str:
-    lines = [f"- {n}" for n in notes] + ["", "| " + " | ".join(HEADER) + " |",
-                                         "|" + "---|" * len(HEADER)]  # fmt: skip
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+def write(rows: list[list[str]], notes: list[str], out: str) -> None:
+    """``gpu_sparse-latest.md`` (and its history) in directory ``out``."""
+    harness.write_result("gpu_sparse", "DSA decode on a GPU: indexer + sparse vs dense (Triton)",
+                         notes, harness.table(HEADER, rows), Path(out))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caches", default="bf16,fp8_ds_mla")
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--no-check", action="store_true", help="skip the torch-path comparison")
-    p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    p.add_argument("--out", default=None,
+                   help="directory to write gpu_sparse-latest.md (and -history.md) into")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU shapes under TRITON_INTERPRET=1, fake timer")  # fmt: skip
     a = p.parse_args(argv)
@@ -207,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = sweep(dev, ints[0], ints[1], ints[2], caches, a.topk, triton.testing.do_bench,
                  check=not a.no_check)  # fmt: skip
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(markdown(rows, notes))
+        write(rows, notes, a.out)
     return 0
 
 
@@ -224,7 +227,6 @@ def _smoke(caches: list[str], out: str | None) -> int:
     rows = sweep(torch.device("cpu"), [2], [150], [16], caches, 64, lambda fn: (fn(), 1.0)[1],
                  check=True, hi=16)  # fmt: skip
     if out:
-        with open(out, "w") as f:
-            f.write(markdown(rows, ["smoke run (CPU, interpreter, fake timer)"]))
+        write(rows, ["smoke run (CPU, interpreter, fake timer)"], out)
     ok = all(float(r[-2]) > 0.99 and float(r[-1]) < 5e-2 for r in rows)
     return 0 if ok else 1

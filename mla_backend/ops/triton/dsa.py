@@ -258,11 +258,12 @@ def indexer_topk(
 def sparse_tiles(r: int, num_heads: int) -> tuple[int, int, int, int]:
     """(CHUNK, NUM_CHUNKS, BLOCK_H, BLOCK_N) of the sparse attention for latent width r and H
     heads: chunks of at most one fp8 tile (128), heads up to 64 per program (the MMA's M),
-    indices per step 64 (FlashMLA's block), 32 with 64 heads of a wide latent
-    (:func:`heuristics.kv_block`: 64 spills there on sm_90a)."""
+    indices per step 64 (FlashMLA's block), 32 for 32 or more heads of a latent >= 256 wide
+    (64 spills there on sm_90a with Triton 3.6: ``python -m benchmarks dsa-resources``)."""
     chunk = min(FP8_TILE, hx.dim_block(r))
     block_h = min(hx.ROWS_PER_PROGRAM, hx.dim_block(num_heads))
-    return chunk, -(-r // chunk), block_h, hx.kv_block(hx.dim_block(r), block_h)
+    block_n = 32 if r >= 256 and block_h >= 32 else 64
+    return chunk, -(-r // chunk), block_h, block_n
 
 
 def sparse_splits(num_tokens: int, head_blocks: int, num_idx: int, block_n: int,
