@@ -128,11 +128,12 @@ def _check_indexer(d: DsaCase, dv: SimpleNamespace, topks=(7, 300)) -> None:
         check_topk(idx.cpu(), ref, topk, tol)
 
 
-@pytest.mark.parametrize("page", [1, 16, 64])
-@pytest.mark.parametrize("index_dtype,q_dtype", INDEX_KINDS, ids=str)
+#: every kind at page 16; pages 1 and 64 for vLLM's fp8 cache only (interpreter time)
+INDEX_CASES = [(*k, 16) for k in INDEX_KINDS] + [(*k, p) for k in INDEX_KINDS[:2] for p in (1, 64)]
+
+
+@pytest.mark.parametrize("index_dtype,q_dtype,page", INDEX_CASES, ids=str)
 def test_indexer_logits_and_topk(index_dtype, q_dtype, page):
-    if page != 16 and (index_dtype, q_dtype) not in INDEX_KINDS[:2]:
-        pytest.skip("pages 1 / 64: the fp8 index cache only (interpreter time)")
     d = _case(page=page, index_dtype=index_dtype, q_dtype=q_dtype, seed=page)
     _check_indexer(d, _dev(d))
 
@@ -247,11 +248,14 @@ def _check_sparse(d: DsaCase, dv: SimpleNamespace, idx: torch.Tensor, qdt: torch
     assert (o.float() - ot.float()).abs().max() <= tol * max(1.0, ot.float().abs().max().item())
 
 
-@pytest.mark.parametrize("page", [1, 16, 64])
-@pytest.mark.parametrize("qdt,cdt", ATTENTION_DTYPES, ids=str)
+#: every layout at page 16; pages 1 and 64 for the bf16 and fp8_ds_mla caches (interpreter time)
+SPARSE_CASES = [(*k, 16) for k in ATTENTION_DTYPES] + [
+    (*k, p) for k in ATTENTION_DTYPES if k[1] in (torch.bfloat16, torch.uint8) for p in (1, 64)
+]
+
+
+@pytest.mark.parametrize("qdt,cdt,page", SPARSE_CASES, ids=str)
 def test_sparse_attention_every_layout(qdt, cdt, page):
-    if page != 16 and cdt not in (torch.bfloat16, torch.uint8):
-        pytest.skip("pages 1 / 64: the bf16 and fp8_ds_mla caches only (interpreter time)")
     d = _case(H=5, page=page, dtype=qdt, cache_dtype=cdt, seed=page + 3)
     dv = _dev(d)
     for topk in (6, 64):

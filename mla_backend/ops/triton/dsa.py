@@ -255,14 +255,16 @@ def indexer_topk(
 # ----------------------------------------------------------------------------------------
 
 
-def sparse_tiles(r: int, num_heads: int) -> tuple[int, int, int, int]:
+def sparse_tiles(r: int, num_heads: int, fp32: bool = False) -> tuple[int, int, int, int]:
     """(CHUNK, NUM_CHUNKS, BLOCK_H, BLOCK_N) of the sparse attention for latent width r and H
-    heads: chunks of at most one fp8 tile (128), heads up to 64 per program (the MMA's M),
-    indices per step 64 (FlashMLA's block), 32 for 32 or more heads of a latent >= 256 wide
-    (64 spills there on sm_90a with Triton 3.6: ``python -m benchmarks dsa-resources``)."""
+    heads: chunks of at most one fp8 tile (128), heads up to 64 per program (the MMA's M; 16
+    for fp32 queries, whose operands would need more than 227 KB of shared memory at 64),
+    indices per step 64 (FlashMLA's block), 32 for 32 or more heads (or fp32) of a latent >= 256
+    wide (64 spills there on sm_90a with Triton 3.6: ``python -m benchmarks dsa-resources``;
+    fp32 over an fp8 cache still spills: a reference dtype, not a serving one)."""
     chunk = min(FP8_TILE, hx.dim_block(r))
-    block_h = min(hx.ROWS_PER_PROGRAM, hx.dim_block(num_heads))
-    block_n = 32 if r >= 256 and block_h >= 32 else 64
+    block_h = min(hx.MIN_DOT_DIM if fp32 else hx.ROWS_PER_PROGRAM, hx.dim_block(num_heads))
+    block_n = 32 if r >= 256 and (block_h >= 32 or fp32) else 64
     return chunk, -(-r // chunk), block_h, block_n
 
 
@@ -306,7 +308,7 @@ def _sparse_attention_op(
     if _skip_launch(q_lat):
         return o, lse
     _check_runnable(dev, sparse_attn_kernel)
-    chunk, n_chunks, block_h, block_n = sparse_tiles(r, H)
+    chunk, n_chunks, block_h, block_n = sparse_tiles(r, H, cd == torch.float32)
     round_bf16 = hx.interpreting() and cd == torch.bfloat16
     dot = torch.float32 if round_bf16 else cd
     ds = kv_cache.dtype == torch.uint8
@@ -358,7 +360,7 @@ def sparse_attention(
         raise ValueError("kv_cache must be contiguous in its last dimension")
     if T:
         torch_sparse.check_indices(call.indices, part, call.sparse)
-    _, _, block_h, block_n = sparse_tiles(r, H)
+    _, _, block_h, block_n = sparse_tiles(r, H, a.q_lat.dtype == torch.float32)
     splits, per = sparse_splits(max(T, 1), triton.cdiv(max(H, 1), block_h), call.indices.shape[1],
                                 block_n, dev, num_splits)  # fmt: skip
     lay = a.layout
