@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import mla_backend as mb
 from mla_backend.index_cache import IndexCacheLayout
-from mla_backend.ops import native
+from mla_backend.ops import IndexKeyWrite, native
+from mla_backend.selection import get_impl
 from mla_backend.testing.cases import DsaCase, index_fp8_dequantized, make_dsa_case
 from mla_backend.testing.dsa_checks import check_logits, check_sparse, check_topk, logit_bound
 from mla_backend.testing.native_checks import ATTENTION_DTYPES
@@ -36,7 +37,7 @@ def kernels(request: pytest.FixtureRequest, isa: str) -> object:
     if request.param == "torch":
         if isa != native.host_isas()[0]:
             pytest.skip("the torch path runs once")
-        return mb.ops.get_impl(torch.device("cpu"), "torch")
+        return get_impl(torch.device("cpu"), "torch")
     return native.Kernels(isa=isa)
 
 
@@ -70,7 +71,7 @@ def test_fp8_index_cache_bytes_follow_vllm(kernels, Di, block, ue8m0):
     k[0] = 0.0
     slots = torch.randperm(pages * ps, generator=g)[:T]
     slots[::5] = -1
-    kernels.write_index_keys(cache, lay, k.bfloat16(), slots)
+    kernels.write_index_keys(IndexKeyWrite(cache, lay, k.bfloat16(), slots))
     want = index_fp8_dequantized(k.bfloat16(), block, ue8m0)
     raw = cache.view(pages, ps * lay.width)
     nb = Di // block
@@ -100,7 +101,7 @@ def test_plain_index_cache_write(kernels):
     k = torch.randn(6, 24)
     slots = torch.tensor([3, -1, 17, 63, -1, 0])
     lay = IndexCacheLayout.of(cache, 24)
-    kernels.write_index_keys(cache, lay, k, slots)
+    kernels.write_index_keys(IndexKeyWrite(cache, lay, k, slots))
     flat = cache.view(-1, 24)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
