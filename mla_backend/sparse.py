@@ -11,9 +11,9 @@ indexer=IndexerDims(n_heads, head_dim, topk))``), then per layer::
 The index cache shares the plan's block table and page size with the latent cache (vLLM keeps
 both in one KV-cache group). The plan's policy choice says which requests need the sparse path
 (``plan.choice.use_sparse``, ``plan.choice.sparse_mode``: "dense" when every context fits in
-``topk``, then the dense paths give the same attention and only the keys need writing). vLLM's
-V3.2 config names power-of-two key scales (``scale_fmt: ue8m0``): pass
-``IndexCacheLayout.named("fp8", 128, 128, scale_fmt="ue8m0")`` as ``layout`` to the writer.
+``topk``, then the dense paths give the same attention and only the keys need writing). Where
+a model's config sets ``scale_fmt`` (vLLM then rounds the key scales up to powers of two),
+pass ``IndexCacheLayout.named("fp8", 128, 128, scale_fmt="ue8m0")`` as ``layout``.
 Inputs are validated here, once, naming the bad value and what is
 supported; the kernels come from the plan's implementation (the device seam); no call reads
 tensor data on the host.
