@@ -9,7 +9,12 @@ indexer=IndexerDims(n_heads, head_dim, topk))``), then per layer::
     o_lat, lse = sparse_absorbed_attention(q_lat, q_pe, kv_cache, plan, idx, softmax_scale)
 
 The index cache shares the plan's block table and page size with the latent cache (vLLM keeps
-both in one KV-cache group). Inputs are validated here, once, naming the bad value and what is
+both in one KV-cache group). The plan's policy choice says which requests need the sparse path
+(``plan.choice.use_sparse``, ``plan.choice.sparse_mode``: "dense" when every context fits in
+``topk``, then the dense paths give the same attention and only the keys need writing). Where
+a model's config sets ``scale_fmt`` (vLLM then rounds the key scales up to powers of two),
+pass ``IndexCacheLayout.named("fp8", 128, 128, scale_fmt="ue8m0")`` as ``layout``.
+Inputs are validated here, once, naming the bad value and what is
 supported; the kernels come from the plan's implementation (the device seam); no call reads
 tensor data on the host.
 
@@ -240,7 +245,7 @@ def indexer_topk(
         )
     with torch.no_grad():
         return plan.impl.indexer_topk(
-            IndexerCall(q_I, weights, index_cache, lay, plan.step, sparse), topk, out
+            IndexerCall(q_I, weights, index_cache, lay, plan.step, sparse, topk, out)
         )
 
 
@@ -299,7 +304,7 @@ def sparse_absorbed_attention(
     ):
         raise ValueError(f"lse {lse.dtype} {tuple(lse.shape)}: expected [{T}, {H}] float32, "
                          "contiguous")
-    attn = AbsorbedCall(q_lat, q_pe, kv_cache, layout, plan.step, float(softmax_scale), kv_scale,
-                        out, lse)  # fmt: skip
     with torch.no_grad():
+        attn = AbsorbedCall(q_lat, q_pe, kv_cache, layout, plan.step, softmax_scale, kv_scale,
+                            out, lse)  # fmt: skip
         return plan.impl.sparse_absorbed_attention(SparseCall(attn, sparse, indices))

@@ -3,10 +3,9 @@ with the shared defaults, and the typed records its calls take.
 
 An implementation subclasses :class:`KernelImpl`, sets ``name`` and overrides only what it does
 differently; it is registered with the seam's registry (:mod:`mla_backend.ops.registry`). The
-per-layer calls take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`; DSA's
-:class:`IndexKeyWrite`, :class:`IndexerCall`, :class:`SparseCall`), validated once at the public
-entry points (:mod:`mla_backend.attention`, :mod:`mla_backend.sparse`), so no implementation
-retypes their arguments. Per-plan state an implementation
+per-layer calls take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`), validated
+once at the public entry points (:mod:`mla_backend.attention`), so no implementation retypes
+their arguments. Per-plan state an implementation
 keeps (a schedule, a planned third-party wrapper) is a :class:`~mla_backend.parts.PlanState`,
 stored in the plan's :class:`~mla_backend.parts.WorkPartition`; plan-time calls take a
 :class:`~mla_backend.parts.StepShape`.
@@ -15,8 +14,9 @@ Defaults (plain PyTorch, shared by every implementation that has nothing better)
 absorption bmms (:func:`mla_backend.weights.absorb_q` / ``apply_W_UV``), the normal path's cache
 reads (:mod:`.paged`), decompression (:mod:`.dense`) and MHA (:mod:`.sdpa`), one query block
 per request and one split, no plan state, identity weight preparation, the generic CPU / GPU
-cost profile, DSA's index-key write and indexer (:mod:`.indexer`) and sparse attention
-(:mod:`.sparse`). ``write_latent`` and ``absorbed_attention`` have no default.
+cost profile; DeepSeek Sparse Attention's index-key write, indexer logits / top-k
+(:mod:`.indexer`) and sparse attention (:mod:`.sparse`) in plain torch. ``write_latent`` and
+``absorbed_attention`` have no default.
 """
 
 from __future__ import annotations
@@ -38,15 +38,9 @@ if TYPE_CHECKING:
     from ..parts import PlanPart, SparsePart
 
 __all__ = [
-    "AbsorbedCall",
-    "IndexKeyWrite",
-    "IndexerCall",
-    "KernelImpl",
-    "LatentWrite",
-    "PlanState",
-    "SparseCall",
-    "StepShape",
-]
+    "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite", "PlanState",
+    "SparseCall", "StepShape",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -113,7 +107,7 @@ class IndexKeyWrite:
     """One write of DSA indexer keys into the paged index cache.
 
     Attributes:
-        index_cache: [num_pages, page_size, layout.width] in ``layout`` (written in place).
+        index_cache: [num_pages, page_size, W] in ``layout`` (written in place).
         layout: the cache's :class:`~mla_backend.index_cache.IndexCacheLayout`.
         k_I: [T, Di] bf16/fp16/fp32 keys.
         slot_mapping: [>= T] int32/int64 flat slot per token (< 0: padding, skipped).
@@ -127,15 +121,16 @@ class IndexKeyWrite:
 
 @dataclass(frozen=True)
 class IndexerCall:
-    """One call of the lightning indexer over the step's cached keys.
+    """One lightning-indexer call: ``I[s, t] = sum_h weights[s, h] * relu(q_I[s, h] . k_I[t])``
+    over the positions each query token sees, then (``topk`` > 0) its causal top-k
+    (:mod:`mla_backend.ops.indexer` states the rule every implementation follows).
 
     Attributes:
-        q_I: [T, Hi, Di] bf16/fp16/fp32/float8_e4m3fn, last dim contiguous.
-        weights: [T, Hi] float32, every scale folded in (see :mod:`mla_backend.sparse`).
-        index_cache: the paged index cache in ``layout``, read through ``part.block_table``.
-        layout: the index cache's layout.
-        part: the whole step (``MLAPlan.step``).
-        sparse: the step's per-token DSA data (:class:`~mla_backend.parts.SparsePart`).
+        q_I: [T, Hi, Di] bf16/fp16/fp32/float8_e4m3fn; weights: [T, Hi] float32.
+        index_cache: the paged index cache in ``layout``, read through ``part``'s block table.
+        part: the step (host data, index tensors); sparse: its per-token DSA data.
+        topk: positions per token (0: the logits only).
+        out: optional output buffer ([T, topk] int32, or [T, sparse.max_kv_len] float32).
     """
 
     q_I: torch.Tensor
@@ -144,17 +139,19 @@ class IndexerCall:
     layout: IndexCacheLayout
     part: PlanPart
     sparse: SparsePart
+    topk: int = 0
+    out: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class SparseCall:
-    """One sparse absorbed attention call: each query token over its own index list.
+    """One sparse absorbed attention call: the attention of ``attn`` (queries, cache, part,
+    scale, output buffers) with each query token restricted to its own index list.
 
     Attributes:
-        attn: the absorbed call's record (queries, latent cache, layout, the whole step as
-            ``part``, scales, ``out`` / ``lse`` buffers); its kv range is replaced by the lists.
-        sparse: the step's per-token DSA data.
-        indices: [T, k] int32/int64 logical positions within each token's request (-1: none).
+        attn: the :class:`AbsorbedCall` it restricts (``attn.part`` is the step).
+        sparse: the step's per-token DSA data (each token's request).
+        indices: [T, k] int32/int64 logical positions of the token's request, -1 = none.
     """
 
     attn: AbsorbedCall
@@ -245,33 +242,30 @@ class KernelImpl:
         ``causal``) -> (o [H, Lq, Dv] in q's dtype, lse [H, Lq] float32)."""
         return sdpa.attention_with_lse(q, k, v, causal, scale)
 
-    # ---- per layer: DSA (the lightning indexer and the sparse attention) ------------------
+    # ---- per layer: DeepSeek Sparse Attention (DSA) ---------------------------------------
     def write_index_keys(self, w: IndexKeyWrite) -> None:
-        """Write the indexer keys into the index cache, in place (see :class:`IndexKeyWrite`;
-        :func:`mla_backend.ops.indexer.write_index_keys`)."""
+        """Write the indexer keys into the index cache, in place (see :class:`IndexKeyWrite`)."""
         indexer.write_index_keys(w.index_cache, w.layout, w.k_I, w.slot_mapping)
 
-    def indexer_logits(self, call: IndexerCall, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [T, call.sparse.max_kv_len] indexer logits (into ``out`` when given), -inf
-        where a token does not see the position (:func:`mla_backend.ops.indexer.logits`)."""
+    def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
+        """float32 [T, call.sparse.max_kv_len]: the scores, -inf where a token does not see the
+        position (see :class:`IndexerCall`)."""
+        c = call
         return indexer.indexer_logits(
-            call.q_I, call.weights, call.index_cache, call.layout, call.part, call.sparse, out
+            c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse, c.out
         )
 
-    def indexer_topk(
-        self, call: IndexerCall, topk: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """[T, topk] int32 (into ``out`` when given): each token's selected positions,
-        ascending, -1 padded (the rule of :mod:`mla_backend.ops.indexer`)."""
+    def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
+        """[T, call.topk] int32: each token's best ``min(topk, visible)`` positions, ascending,
+        then -1 (see :class:`IndexerCall`)."""
+        c = call
         return indexer.indexer_topk(
-            call.q_I, call.weights, call.index_cache, call.layout, call.part, call.sparse, topk,
-            out,
-        )  # fmt: skip
+            c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse, c.topk, c.out
+        )
 
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """(o_lat [T, H, r] in q's dtype, lse [T, H] float32, natural log) of each token over
-        its own index list, in ``call.attn.out`` / ``call.attn.lse`` when given
-        (:func:`mla_backend.ops.sparse.sparse_absorbed_attention`)."""
+        """(o_lat [T, H, r] in q's dtype, lse [T, H] float32), in ``call.attn.out`` /
+        ``call.attn.lse`` when given (see :class:`SparseCall`)."""
         a = call.attn
         return sparse.sparse_absorbed_attention(
             a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part, call.sparse, call.indices,

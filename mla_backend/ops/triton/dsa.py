@@ -230,24 +230,21 @@ def _indexer_args(call: IndexerCall, fp8_mode: str | None) -> tuple:
             call.sparse.token_req_t, call.sparse.token_pos_t, qb), bits  # fmt: skip
 
 
-def indexer_logits(
-    call: IndexerCall, out: torch.Tensor | None = None, *, fp8_mode: str | None = None
-) -> torch.Tensor:
-    """float32 [T, call.sparse.max_kv_len] logits (into ``out`` when given) through
+def indexer_logits(call: IndexerCall, *, fp8_mode: str | None = None) -> torch.Tensor:
+    """float32 [T, call.sparse.max_kv_len] logits (into ``call.out`` when given) through
     ``mla_backend::triton_indexer_logits``."""
     args, bits = _indexer_args(call, fp8_mode)
     res = torch.ops.mla_backend.triton_indexer_logits(*args, call.sparse.max_kv_len, bits)
-    return res if out is None else out.copy_(res)
+    return res if call.out is None else call.out.copy_(res)
 
 
-def indexer_topk(
-    call: IndexerCall, topk: int, out: torch.Tensor | None = None, *, fp8_mode: str | None = None
-) -> torch.Tensor:
-    """[T, topk] int32 (into ``out`` when given) through ``mla_backend::triton_indexer_topk``:
-    the rule of :mod:`mla_backend.ops.indexer`, exactly."""
+def indexer_topk(call: IndexerCall, *, fp8_mode: str | None = None) -> torch.Tensor:
+    """[T, call.topk] int32 (into ``call.out`` when given) through
+    ``mla_backend::triton_indexer_topk``: the rule of :mod:`mla_backend.ops.indexer`, exactly."""
     args, bits = _indexer_args(call, fp8_mode)
-    res = torch.ops.mla_backend.triton_indexer_topk(*args, call.sparse.max_kv_len, topk, bits)
-    return res if out is None else out.copy_(res)
+    res = torch.ops.mla_backend.triton_indexer_topk(*args, call.sparse.max_kv_len, call.topk,
+                                                    bits)  # fmt: skip
+    return res if call.out is None else call.out.copy_(res)
 
 
 # ----------------------------------------------------------------------------------------

@@ -139,17 +139,15 @@ class Kernels(KernelImpl):
     def write_index_keys(self, w: IndexKeyWrite) -> None:
         dsa.write_index_keys(w)
 
-    def indexer_logits(self, call: IndexerCall, out: torch.Tensor | None = None) -> torch.Tensor:
+    def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
         if not dsa.indexer_supported(call.layout.scales_per_key):
-            return super().indexer_logits(call, out)
-        return dsa.indexer_logits(call, out, fp8_mode=self.fp8_mode)
+            return super().indexer_logits(call)
+        return dsa.indexer_logits(call, fp8_mode=self.fp8_mode)
 
-    def indexer_topk(
-        self, call: IndexerCall, topk: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
         if not dsa.indexer_supported(call.layout.scales_per_key):
-            return super().indexer_topk(call, topk, out)
-        return dsa.indexer_topk(call, topk, out, fp8_mode=self.fp8_mode)
+            return super().indexer_topk(call)
+        return dsa.indexer_topk(call, fp8_mode=self.fp8_mode)
 
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         if not dsa.sparse_supported(call.attn.layout.kv_lora_rank):
