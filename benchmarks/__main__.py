@@ -1,5 +1,5 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, vllm, serve, sglang, gpu, fp8-accuracy); each writes
+layer, policy, vllm, serve, sglang, gpu, gpu-resources, fp8-accuracy); each writes
 ``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
 the roofline PNGs from ``decode-latest.md``."""
 
@@ -20,6 +20,7 @@ COMMANDS = {
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),
     "plot": ("plot", "roofline PNG per ISA level from decode-latest.md (needs matplotlib)"),
     "gpu": ("gpu", "Triton kernels on a GPU vs FlashMLA-style baselines"),
+    "gpu-resources": ("gpu_resources", "Triton kernels compiled for sm_90a / sm_100a on the CPU"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
 }
 

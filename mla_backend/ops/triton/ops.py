@@ -37,7 +37,10 @@ kernels on real data; on a GPU ``wrap_triton`` records the launch instead), and
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -72,9 +75,50 @@ def _row_width(kv_cache: torch.Tensor, r: int, rope: int, compute_dtype: torch.d
 _LOG2E = 1.0 / math.log(2.0)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch (see :func:`record_launches`): the kernel, its grid, its
+    positional arguments and its keyword arguments (constexprs and launch options)."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+
+
+#: the launches recorded instead of run, while :func:`record_launches` is active
+_RECORDING: list[list[Launch]] = []
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[Launch]]:
+    """Within this block the ops record their kernel launches (with the constexprs a GPU
+    compile gets, also under the interpreter) instead of running them, on any device's
+    tensors: what the ahead-of-time resource check (``python -m benchmarks gpu-resources``)
+    compiles is exactly what a call launches."""
+    launches: list[Launch] = []
+    _RECORDING.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDING.pop()
+
+
+def _launch(kernel: object, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    if _RECORDING:
+        _RECORDING[-1].append(Launch(kernel, grid, args, kwargs))
+        return
+    wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+def _interpreting() -> bool:
+    """Run on the Triton interpreter (and not recording launches for a GPU compile)."""
+    return hx.interpreting() and not _RECORDING
+
+
 def _check_runnable(device: torch.device, kernel: object) -> None:
     """Triton kernels run on GPU tensors, or on CPU tensors only under the interpreter."""
-    if device.type == "cuda":
+    if device.type == "cuda" or _RECORDING:
         return
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -129,7 +173,9 @@ def _write_latent_op(
     _check_runnable(kv_cache.device, write_latent_kernel)
     if kv_cache.dtype == torch.uint8:  # fp8_ds_mla (kv_scale is not used: per-tile scales)
         layout = CacheLayout.ds_mla(r, rope, c_kv.dtype)
-        wrap_triton(write_latent_ds_kernel)[(T,)](
+        _launch(
+            write_latent_ds_kernel,
+            (T,),
             kv_cache,
             c_kv,
             k_pe,
@@ -155,7 +201,9 @@ def _write_latent_op(
     is_fp8 = kv_cache.dtype == _fp8.FP8_DTYPE
     has_scale = is_fp8 and kv_scale is not None
     scale = kv_scale if has_scale else c_kv
-    wrap_triton(write_latent_kernel)[(T,)](
+    _launch(
+        write_latent_kernel,
+        (T,),
         kv_cache.view(torch.uint8) if fp8_bits else kv_cache,
         c_kv,
         k_pe,
@@ -256,6 +304,53 @@ def _resolve_fp8_mode(mode: str | None, device: torch.device) -> str:
 # ----------------------------------------------------------------------------------------
 
 
+def attention_meta(
+    r: int,
+    rope: int,
+    q_dtype: torch.dtype,
+    cache: str,
+    block_q: int,
+    block_h: int,
+    block_n: int,
+    fp8_bits: bool,
+    interpreting: bool,
+) -> dict[str, object]:
+    """The compile-time half of an ``absorbed_attn_kernel`` launch: its constexprs and launch
+    options (``num_warps``, ...), from the shapes and knobs alone. The launch uses it, and so
+    does the ahead-of-time resource check (``python -m benchmarks gpu-resources``), so what is
+    checked is what runs.
+
+    Args:
+        r, rope: latent and rope widths; q_dtype: the queries' (compute) dtype.
+        cache: ``"plain"`` (bf16/fp16/fp32 rows, or e4m3 without a scale), ``"fp8"`` (e4m3
+            with a per-tensor ``kv_scale``) or ``"ds"`` (``fp8_ds_mla`` rows).
+        block_q, block_h, block_n: the tiles; fp8_bits: decode e4m3 bytes with integer ops.
+        interpreting: for the Triton interpreter (bf16 dots widened to fp32, bf16 rounding).
+    """
+    round_bf16 = interpreting and q_dtype == torch.bfloat16
+    dot_dtype = torch.float32 if round_bf16 else q_dtype  # see the module doc
+    block_r = hx.dim_block(r)
+    return dict(
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_ROPE=hx.dim_block(rope),
+        HAS_ROPE=rope > 0,
+        HAS_SCALE=cache == "fp8",
+        FP8_BITS=fp8_bits,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        P_DTYPE=_TL_DTYPE[q_dtype],
+        IEEE=dot_dtype == torch.float32,
+        ROUND_BF16=round_bf16,
+        DS=cache == "ds",
+        TILE=FP8_TILE,
+        NUM_TILES=max(block_r // FP8_TILE, 1),
+        ROPE_DTYPE=_TL_DTYPE[q_dtype],
+        num_warps=hx.num_warps(block_q * block_h, block_r),
+    )
+
+
 def _absorbed_attention_op(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -298,11 +393,7 @@ def _absorbed_attention_op(
     if _skip_launch(q_lat):
         return o_lat, lse
     _check_runnable(device, absorbed_attn_kernel)
-
-    dot_dtype = cd
-    round_bf16 = hx.interpreting() and cd == torch.bfloat16
-    if round_bf16:
-        dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
+    round_bf16 = _interpreting() and cd == torch.bfloat16
     ds = kv_cache.dtype == torch.uint8  # fp8_ds_mla rows
     has_scale = kv_scale is not None and not ds
     scale = kv_scale if has_scale else lse
@@ -313,11 +404,17 @@ def _absorbed_attention_op(
     else:
         scale_offset = rope_offset = 0
         kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
+    meta = attention_meta(
+        r, rope, cd, "ds" if ds else ("fp8" if has_scale else "plain"), block_q, block_h,
+        block_n, fp8_bits, _interpreting(),
+    )
     q_pe_arg = q_pe if rope else q_lat
     part_o_arg = part_o if max_splits else lse  # never written when nothing is split
     part_lse_arg = part_lse if max_splits else lse
 
-    wrap_triton(absorbed_attn_kernel)[(num_h_blocks, num_pieces)](
+    _launch(
+        absorbed_attn_kernel,
+        (num_h_blocks, num_pieces),
         q_lat,
         q_pe_arg,
         kv_arg,
@@ -352,27 +449,13 @@ def _absorbed_attention_op(
         o_lat.stride(1),
         lse.stride(0),
         lse.stride(1),
-        BLOCK_Q=block_q,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_R=block_r,
-        BLOCK_ROPE=hx.dim_block(rope),
-        HAS_ROPE=rope > 0,
-        HAS_SCALE=has_scale,
-        FP8_BITS=fp8_bits,
-        DOT_DTYPE=_TL_DTYPE[dot_dtype],
-        P_DTYPE=_TL_DTYPE[cd],
-        IEEE=dot_dtype == torch.float32,
-        ROUND_BF16=round_bf16,
-        DS=ds,
-        TILE=FP8_TILE,
-        NUM_TILES=max(block_r // FP8_TILE, 1),
-        ROPE_DTYPE=_TL_DTYPE[cd],
-        num_warps=hx.num_warps(block_q * block_h, block_r),
+        **meta,
     )
     if max_splits:
         merge_block_h = min(hx.next_pow2(H), 16)
-        wrap_triton(merge_splits_kernel)[(num_q_blocks * block_q, triton.cdiv(H, merge_block_h))](
+        _launch(
+            merge_splits_kernel,
+            (num_q_blocks * block_q, triton.cdiv(H, merge_block_h)),
             q_block_req,
             q_block_start,
             new_lens,
