@@ -12,6 +12,8 @@ triton = pytest.importorskip("triton")
 
 from triton_case import ON_GPU, load_benchmark  # noqa: E402
 
+from mla_backend.ops.triton.jit import heuristics as hx  # noqa: E402
+
 pytestmark = pytest.mark.skipif(ON_GPU, reason="ahead-of-time compile: CPU work")
 
 res = load_benchmark("gpu_resources")
@@ -19,20 +21,22 @@ res = load_benchmark("gpu_resources")
 DEFAULTS = [
     res.Config(16, 1, "bf16"),
     res.Config(128, 1, "bf16"),
-    pytest.param(res.Config(16, 1, "fp8"), marks=pytest.mark.xfail(
-        strict=True, reason="the unchunked kernel spills in the kv loop on fp8 caches")),
+    res.Config(16, 1, "fp8"),
+    res.Config(16, 1, "fp8_ds_mla"),
     res.Config(128, 2, "fp8_ds_mla"),
+    # the Gluon kernel (opt-in): FlashMLA's 64 rows, two warpgroups, TMA double buffer
+    res.Config(16, 1, "bf16", (("gluon", True),)),
+    res.Config(128, 1, "bf16", (("gluon", True),)),
 ]
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """The defaults compiled once, in one process without the interpreter."""
-    configs = [getattr(c, "values", [c])[0] for c in DEFAULTS]
-    return {r.config: r for r in res.compile_isolated(configs, 90)}
+    return {r.config: r for r in res.compile_isolated(DEFAULTS, 90)}
 
 
-@pytest.mark.parametrize("config", DEFAULTS, ids=lambda c: getattr(c, "name", None))
+@pytest.mark.parametrize("config", DEFAULTS, ids=lambda c: c.name)
 def test_default_config_compiles_for_sm90a_without_spills_in_the_kv_loop(
     config, compiled
 ) -> None:
@@ -41,7 +45,13 @@ def test_default_config_compiles_for_sm90a_without_spills_in_the_kv_loop(
     assert r.fits_shared, f"{r.shared} B of shared memory"
     assert r.spill_in_loop == 0, f"{r.spill_in_loop} local loads/stores in the kv loop"
     assert r.loop_instrs > 0 and r.ctas_per_sm >= 1
-    assert r.mma == ("wgmma" if r.rows >= 64 else "mma.sync")
+    gluon = dict(config.knobs).get("gluon", False)
+    assert r.mma == ("wgmma" if r.rows >= 64 or gluon else "mma.sync")
+    if gluon:
+        assert r.kv_buffers == 2 and r.num_warps == 8 and r.block_n == 64
+        return
+    # the split count's residency estimate is the compiled kernel's
+    assert hx.ctas_per_sm(r.rows, r.block_n, r.num_warps) == r.ctas_per_sm
 
 
 def test_kv_loop_is_the_innermost_loop_with_an_mma() -> None:
