@@ -432,14 +432,14 @@ def test_refresh_rewrites_the_schedule() -> None:
                  phase=mb.Phase.DECODE)
     impl = TritonKernels(num_kv_splits=4, block_n=16)
     plan = case.plan(impl)
-    meta, base = plan.step.work.schedule
+    meta, base = plan.step.work.state.part_meta, plan.step.work.state.split_base
     addrs = (meta.data_ptr(), base.data_ptr())
     grown = TCase([40, 71, 13], [1, 1, 1], H=4, r=32, rope=16, page_size=16, seed=21,
                   phase=mb.Phase.DECODE)
     plan.refresh_(grown.batch)
     assert (meta.data_ptr(), base.data_ptr()) == addrs
-    fresh = grown.plan(impl).step.work.schedule
-    assert torch.equal(meta, fresh[0]) and torch.equal(base, fresh[1])
+    fresh = grown.plan(impl).step.work.state
+    assert torch.equal(meta, fresh.part_meta) and torch.equal(base, fresh.split_base)
     out = mb.absorbed_attention(grown.q_lat, grown.q_pe, grown.kv_cache, plan, grown.scale)
     assert_matches(grown, out)
 
@@ -537,8 +537,12 @@ def test_split_count_follows_residency() -> None:
     assert hx.ctas_per_sm(16, 64, 4) == 2 and hx.ctas_per_sm(64, 32, 8) == 1
     assert hx.num_parts(1, 132, hx.ctas_per_sm(16, 64, 4)) == 264
     assert hx.num_parts(2, 132, hx.ctas_per_sm(64, 32, 8)) == 66
+    from mla_backend.parts import StepShape
+
     dims = mb.MLADims(128, 512, 128, 64, 512)
-    bq, parts = TritonKernels().work_shape(dims, [1] * 4, [100] * 4, torch.device("cpu"))
+    step = StepShape(dims, [1] * 4, [100] * 4, torch.device("cpu"),
+                     torch.zeros(4, 2, dtype=torch.int32), 64)
+    bq, parts = TritonKernels().work_shape(step)
     assert (bq, parts) == (1, hx.CPU_FALLBACK_SM_COUNT // 2)  # 2 head blocks of 64, 8 warps
 
 
@@ -571,7 +575,7 @@ def test_gluon_knob_plans_whole_pages_and_falls_back_off_gpu() -> None:
                  q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
     kernels = TritonKernels(gluon=True, num_kv_splits=3)
     plan = case.plan(kernels)
-    meta = plan.step.work.schedule[0].cpu()
+    meta = plan.step.work.state.part_meta.cpu()
     assert (meta[:, 1] % 64 == 0).all() and (meta[:, 3] % 64 == 0).all()
     if not ON_GPU:
         assert_matches(case, mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, plan,
