@@ -385,6 +385,26 @@ def row(r: Result) -> str:
     )
 
 
+def _rows(text: str) -> dict[tuple[str, str], list[str]]:
+    """A table printed by this command, by (config, arch): its cells."""
+    out = {}
+    for line in text.splitlines():
+        cells = [x.strip() for x in line.split("|")[1:-1]]
+        if len(cells) >= 16 and cells[1].startswith("sm_"):
+            out[(cells[0], cells[1])] = cells
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def compile_isolated(configs: list[Config], arch: int = 90) -> list[Result]:
     """:func:`compile_config` of each config in a fresh Python process without
     ``TRITON_INTERPRET`` (a process that imported Triton with the interpreter on cannot compile:
@@ -417,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caches", default=",".join(CACHES))
     p.add_argument("--quick", action="store_true", help="defaults only, no knob grid")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    p.add_argument("--before", default=None,
+                   help="a previous run's table (this command's stdout): a 'before' column")
     p.add_argument("--json", default=None, help="JSON list of [heads, q_len, cache, knobs]: "
                    "compile these for the first --arch and print one JSON result per line")
     a = p.parse_args(argv)
@@ -436,16 +458,30 @@ def main(argv: list[str] | None = None) -> int:
                               a.caches.split(","))
     if not a.quick:
         configs += knob_configs(heads)
-    lines = [HEADER, "|" + "---|" * 16]
+    before = _rows(open(a.before).read()) if a.before else {}
+    header = HEADER + (" before: regs / spill B / spill in loop / smem KB / kv-loop instrs |"
+                       if before else "")
+    lines = [header, "|" + "---|" * (16 + bool(before))]
     print(f"triton {triton.__version__}; r {R}, rope {ROPE}, page {PAGE}; {len(configs)} "
           f"configs x archs {archs}", flush=True)
-    print(HEADER, flush=True)
+    print(header, flush=True)
     for arch in archs:
         for c in configs:
             line = row(compile_config(c, arch))
+            if before:
+                old = before.get(tuple(x.strip() for x in line.split("|")[1:3]))
+                line += (f" {old[7]} / {old[8]} / {old[9]} / {old[10]} / {old[13]} |" if old
+                         else " - |")
             lines.append(line)
             print(line, flush=True)
     if a.out:
+        cpu = _cpu_name()
         with open(a.out, "w") as f:
+            f.write(f"# The absorbed kernel compiled for {', '.join(f'sm_{x}a' for x in archs)}"
+                    f" on the CPU (python -m benchmarks gpu-resources)\n\n"
+                    f"{time.strftime('%Y-%m-%d %H:%MZ', time.gmtime())}; compiled on {cpu}; "
+                    f"triton {triton.__version__} (the GPU machine's); r {R}, rope {ROPE}, "
+                    f"page {PAGE}. No GPU ran: registers and spills from ptxas -v, the kv loop "
+                    f"from cuobjdump -sass, CTAs/SM from registers and shared memory.\n\n")
             f.write("\n".join(lines) + "\n")
     return 0

@@ -108,6 +108,11 @@ def _launch(kernel: object, grid: tuple[int, ...], *args: object, **kwargs: obje
     if _RECORDING:
         _RECORDING[-1].append(Launch(kernel, grid, args, kwargs))
         return
+    if type(kernel).__name__.startswith("Gluon"):
+        # launched directly: torch's wrap_triton analyses Triton (not Gluon) kernels' IR, so
+        # the Gluon path runs eagerly (and is not traced by torch.compile)
+        kernel[grid](*args, **kwargs)
+        return
     wrap_triton(kernel)[grid](*args, **kwargs)
 
 

@@ -19,15 +19,24 @@ partial and its natural-log LSE (a block the schedule split). Causality: row ``(
 h)`` sees kv positions ``< prefix + j + 1``; a row that sees nothing in a piece writes output 0
 and LSE -inf. A decode is the ``BLOCK_Q = 1`` special case of the same code.
 
+The latent is processed in ``NUM_CHUNKS`` (1, 2 or 4) column chunks of ``BLOCK_R / NUM_CHUNKS``
+(128 by default: :data:`heuristics.LATENT_CHUNK`): the scores are ``q_pe·k_peᵀ`` plus the sum of
+the chunks' partial dots ``q_c·kv_cᵀ`` (the query's chunk read inside the kv loop), and each
+chunk has its own ``P·kv_c`` accumulator [BLOCK_M, CHUNK]. Compiled for sm_90a, holding the
+whole [BLOCK_M, 512] query and [BLOCK_N, 512] tile in one dot spilled at the 255-register cap;
+the chunks do not (``python -m benchmarks gpu-resources``).
+
 ``merge_splits_kernel``: one program = one token of a query block x ``BLOCK_H`` heads; for a
 split block it combines the pieces' ``(o_s, lse_s)`` by ``o = sum_s exp(lse_s - lse) o_s`` with
 ``lse = logsumexp_s lse_s``; a block served whole is left as the attention kernel wrote it.
 
-``fp8_ds_mla`` caches (``DS``, uint8 rows, see :mod:`mla_backend.cache_layout`): the e4m3
-bytes of ``c_kv`` are decoded (natively or with integer ops), multiplied in fp32 by their
-tile's float32 scale (loaded per row from ``scale_offset``), and rounded once to the dot dtype;
+``fp8_ds_mla`` caches (``DS``, uint8 rows, see :mod:`mla_backend.cache_layout`): a chunk lies
+in one scale tile (chunks of at most 128 columns), so its e4m3 codes enter the dots unscaled
+(exact in bf16 / fp16) and the tile's float32 scale (loaded per kv row from ``scale_offset``)
+multiplies the chunk's partial scores and, before the chunk's ``P·V``, the probabilities;
 ``k_pe`` is loaded as ``ROPE_DTYPE`` from ``rope_offset``. Masked (unwritten) rows are never
-loaded, so their NaN bytes are never read.
+loaded, so their NaN bytes are never read. ``LAT_DTYPE`` fp16 (``Kernels(fp8_f16=True)``): the
+e4m3 latent dots in fp16 (one conversion per two values instead of bf16's three per value).
 
 fp8 e4m3 caches: rows are converted to the dot dtype unscaled (exact for e4m3 -> bf16/fp16)
 and the per-tensor scale is applied once to the scores and once to the output. Where Triton

@@ -12,7 +12,10 @@ The grid is ``num_head_blocks x num_parts``; the plan cuts every query block's k
 ``num_parts`` pieces of equal cost (:mod:`mla_backend.ops.triton.schedule`), so long requests
 get more splits than short ones and every program about the same work:
 
-    num_parts = ceil(PROGRAMS_PER_SM * sms / num_head_blocks)
+    num_parts = ceil(ctas_per_sm * sms / num_head_blocks)
+
+(one wave of the programs resident per SM: :func:`ctas_per_sm` of the launch config, which the
+ahead-of-time resource check pins to the compiled kernel's residency).
 
 Each query block costs ``OVERHEAD_KV_ROWS`` kv rows extra (loading Q, writing a partial, the
 merge); a piece is never shorter than ``MIN_KV_ROWS_PER_PART`` (fewer splits for small batches).
