@@ -348,7 +348,8 @@ def default_configs(heads: list[int], q_lens: list[int], caches: list[str]) -> l
 
 def knob_configs(heads: list[int]) -> list[Config]:
     """The tile knobs' other values at decode: kv tile, rows per program, padded rows,
-    ``num_stages``, ``num_warps``, chunk width (bf16), and the e4m3 caches' fp16 dots."""
+    ``num_stages``, ``num_warps``, chunk width (bf16), the e4m3 caches' fp16 dots, and the
+    Gluon kernel (decode and 2-token verify)."""
     out = []
     for h in heads:
         for bn in (16, 32, 64):
@@ -365,6 +366,8 @@ def knob_configs(heads: list[int]) -> list[Config]:
             out.append(Config(h, 1, "bf16", (("chunk", chunk),)))
         for cache in ("fp8", "fp8_ds_mla"):
             out.append(Config(h, 1, cache, (("fp8_f16", True),)))
+        for q in (1, 2):
+            out.append(Config(h, q, "bf16", (("gluon", True),)))
     return out
 
 
