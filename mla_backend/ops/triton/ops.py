@@ -714,7 +714,10 @@ def _gluon_serves(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     whose pages are one [pages * page_size, width] matrix (its TMA descriptor)."""
     if (q_lat.device.type != "cuda" and not _RECORDING) or not kv_cache.is_contiguous():
         return False
-    from .jit import gluon_attention as ga
+    try:
+        from .jit import gluon_attention as ga
+    except ImportError:  # a Triton without Gluon (before 3.5): the Triton kernel serves
+        return False
 
     return ga.serves(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], kv_cache.shape[1],
                      q_lat.dtype, kv_cache.dtype, block_q, block_h)
