@@ -169,16 +169,17 @@ def _install_wheels(run: Run) -> bool:
 
 def _start_flashinfer_jit(run: Run) -> subprocess.Popen | None:
     """FlashInfer's sm90 MLA module built by nvcc in the background (~1 min)."""
-    env = {**os.environ, **run.env, "PYTHONPATH": f"{ROOT}:{SITE_FI}",
-           "FLASHINFER_WORKSPACE_BASE": "/tmp/mla_fiws", "MAX_JOBS": "14",
-           "FLASHINFER_CUDA_ARCH_LIST": os.environ.get("FLASHINFER_CUDA_ARCH_LIST", "9.0a")}
+    # every later stage that imports FlashInfer reads the module this build leaves here
+    run.env.update(FLASHINFER_WORKSPACE_BASE="/tmp/mla_fiws", MAX_JOBS="14",
+                   FLASHINFER_CUDA_ARCH_LIST=os.environ.get("FLASHINFER_CUDA_ARCH_LIST", "9.0a"))
     nvcc = shutil.which("nvcc")
     stub = nvcc and Path(nvcc).resolve().parents[1] / "lib64" / "stubs" / "libcuda.so"
     if not (stub and stub.exists()):  # FlashInfer links -lcuda: the driver's library then
         p = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True)
         m = re.search(r"=>\s*(\S*libcuda\.so\S*)", p.stdout)
         if m:
-            env["FLASHINFER_EXTRA_LDFLAGS"] = f"-L{os.path.dirname(m.group(1))}"
+            run.env["FLASHINFER_EXTRA_LDFLAGS"] = f"-L{os.path.dirname(m.group(1))}"
+    env = {**os.environ, **run.env, "PYTHONPATH": f"{ROOT}:{SITE_FI}"}
     code = ("import time, torch, flashinfer, flashinfer.mla as m; t = time.time(); "
             "print('flashinfer', flashinfer.__version__, flush=True); "
             "m.get_batch_mla_module('fa3', torch.bfloat16, torch.bfloat16, torch.bfloat16, "
