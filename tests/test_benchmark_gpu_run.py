@@ -35,10 +35,16 @@ def test_dsa_slot_is_empty_until_the_lead_fills_it() -> None:
 
 BF16 = """device: NVIDIA H100 80GB HBM3, SMs/CUs: 132, cache bf16, page 64; torch 2.11 triton 3.6.0
 measured: bf16 GEMM 800 TFLOP/s, copy 3000 GB/s
-batch mean_kv heads q_len varlen  parts      ms  TFLOP/s    GB/s  max|o-torch|  %gemm  %copy  flashinfer_ms  max|o-fi|  flashmla_ms  gluon_ms  max|o-gluon|
-  128    4096    16     1  False    264   0.200    100.0    2400  1.0e-02   12.5   80.0          0.250   1.0e-02          nan     0.180    1.0e-02
-  128    4096    16     2  False    264   0.240    100.0    2400  1.0e-02   12.5   80.0          0.300   1.0e-02          nan     0.300    1.0e-02
-  128    4096   128     1  False     66   1.000    200.0     400  1.0e-02   25.0   13.0          0.600   1.0e-02          nan       nan        nan
+batch mean_kv heads q_len varlen  parts      ms  TFLOP/s    GB/s  max|o-torch|  %gemm  %copy  flashinfer_ms  max|o-fi|  flashmla_ms
+  128    4096    16     1  False    264   0.200    100.0    2400  1.0e-02   12.5   80.0          0.250   1.0e-02          nan
+  128    4096    16     2  False    264   0.240    100.0    2400  1.0e-02   12.5   80.0          0.300   1.0e-02          nan
+  128    4096   128     1  False     66   1.000    200.0     400  1.0e-02   25.0   13.0          0.600   1.0e-02          nan
+  (column n/a: flash_mla not importable (ModuleNotFoundError))
+device: NVIDIA H100 80GB HBM3, SMs/CUs: 132, cache bf16, page 64; torch 2.11 triton 3.6.0
+batch mean_kv heads q_len varlen  parts      ms  TFLOP/s    GB/s  max|o-torch|  gluon_ms  max|o-gluon|
+  128    4096    16     1  False    264   0.200    100.0    2400  nan     0.180    1.0e-02
+  128    4096    16     2  False    264   0.240    100.0    2400  nan     0.300    1.0e-02
+  128    4096   128     1  False     66   1.000    200.0     400  nan       nan        nan
   (column n/a: gluon failed: boom)
 """  # noqa: E501
 FP8 = """device: NVIDIA H100 80GB HBM3, SMs/CUs: 132, cache fp8, page 64; torch 2.11 triton 3.6.0
@@ -63,7 +69,7 @@ def test_summary_checks_targets_and_applies_the_plan(tmp_path) -> None:
     (tmp_path / "bench_fp8.txt").write_text(FP8)
     (tmp_path / "sweep.txt").write_text(SWEEP)
     (tmp_path / "pytest.log").write_text("FAILED tests/x.py::test_y\n1 failed, 9 passed\n")
-    assert len(parse_table(BF16, "batch")) == 3
+    assert len(parse_table(BF16, "batch")) == 6
     text = summarize(tmp_path, [("tests", "rc=1", 100.0)])
     assert "GPU tests: 1 failed, 9 passed" in text and "FAILED tests/x.py::test_y" in text
     # 16 heads: 2400 / 3000 = 80% of copy, Gluon 0.2 / 0.18 of that: met
