@@ -1,7 +1,7 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, vllm, serve, sglang, gpu, fp8-accuracy); each writes
-``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
-the roofline PNGs from ``decode-latest.md``."""
+layer, policy, vllm, serve, sglang, gpu, gpu-resources, gpu-sweep, gpu-run, fp8-accuracy);
+each writes ``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``.
+``plot`` redraws the roofline PNGs from ``decode-latest.md``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ COMMANDS = {
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),
     "plot": ("plot", "roofline PNG per ISA level from decode-latest.md (needs matplotlib)"),
     "gpu": ("gpu", "Triton kernels on a GPU vs FlashMLA-style baselines"),
+    "gpu-resources": ("gpu_resources", "Triton kernels compiled for sm_90a / sm_100a on the CPU"),
+    "gpu-sweep": ("gpu_sweep", "tile knobs of the Triton / Gluon kernels timed on a GPU"),
+    "gpu-run": ("gpu_run", "the one prepared GPU run: tests, benchmarks, sweep, summary"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
 }
 
