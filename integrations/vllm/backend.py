@@ -183,9 +183,8 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         self.device = torch.device(device)
         self._modes_seen: set[str] = set()
         self.dcp_planner = dcp.planner_for(
-            vllm_config, self.page_size, self.dims, self.policy, self.device,
-            dcp.vllm_dcp_rank(), self.num_spec_tokens,
-        )  # fmt: skip
+            vllm_config, self.page_size, self.dims, self.policy, self.device, self.num_spec_tokens
+        )
 
     def build(
         self,

@@ -429,23 +429,16 @@ def vllm_dcp_group() -> DCPGroup:
     return get_dcp_group()
 
 
-def vllm_dcp_rank() -> int:
-    """This process's rank in its DCP group (0 when the group does not exist yet)."""
-    try:
-        return int(vllm_dcp_group().rank_in_group)
-    except AssertionError:  # vLLM asserts the group is initialized
-        return 0
-
-
 def planner_for(
     vllm_config: Any, page_size: int, dims: mb.MLADims, policy: mb.Policy, device: torch.device,
-    rank: int, num_spec_tokens: int,
+    num_spec_tokens: int,
 ) -> DCPPlanner | None:  # fmt: skip
-    """The :class:`DCPPlanner` of a metadata builder under DCP, else None."""
-    parallel = vllm_config.parallel_config
+    """The :class:`DCPPlanner` of a metadata builder under DCP (this process's rank in the
+    DCP group), else None."""
+    parallel = getattr(vllm_config, "parallel_config", None)
     world = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
     if world <= 1:
         return None
     interleave = int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
-    layout = ShardLayout(world, rank, interleave, page_size)
+    layout = ShardLayout(world, int(vllm_dcp_group().rank_in_group), interleave, page_size)
     return DCPPlanner(layout, dims, policy, device, 1 + num_spec_tokens)
