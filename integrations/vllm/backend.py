@@ -227,15 +227,23 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             )
         else:
             logger.debug("%s: %s step, phase=%s", BACKEND_NAME, plan.mode, batch.phase.value)
+        return self._metadata(m, plan)
+
+    @staticmethod
+    def _metadata(
+        m: CommonAttentionMetadata, plan: mb.MLAPlan | None, dcp_step: dcp.DCPStep | None = None
+    ) -> MLAAbsorbMetadata:
+        """The step's metadata: its plan (or DCP parts) and vLLM's counters."""
         return MLAAbsorbMetadata(
             plan=plan,
-            num_reqs=n,
+            num_reqs=m.num_reqs,
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             max_seq_len=m.max_seq_len,
             query_start_loc=m.query_start_loc,
             slot_mapping=m.slot_mapping,
-            num_prefills=n,
+            num_prefills=m.num_reqs,
+            dcp_step=dcp_step,
         )
 
     def _build_dcp(
@@ -255,17 +263,7 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
                 BACKEND_NAME, step.modes, step.layout.rank, step.layout.world_size,
                 new_lens[:8], prefix_lens[:8],
             )  # fmt: skip
-        return MLAAbsorbMetadata(
-            plan=None,
-            num_reqs=m.num_reqs,
-            num_actual_tokens=m.num_actual_tokens,
-            max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
-            query_start_loc=m.query_start_loc,
-            slot_mapping=m.slot_mapping,
-            num_prefills=m.num_reqs,
-            dcp_step=step,
-        )
+        return self._metadata(m, None, step)
 
 
 class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -177,6 +177,15 @@ class DCPStep:
         return "+".join(names) or "idle"
 
 
+class _Batch(NamedTuple):
+    """The engine's step as the planner reads it (global lengths, host ints)."""
+
+    prefix_lens: list[int]
+    new_lens: list[int]
+    cu: list[int]  # prefix sums of new_lens: request i owns rows cu[i]:cu[i + 1]
+    block_table: torch.Tensor
+
+
 class DCPPlanner:
     """Makes each step's :class:`DCPStep` from the engine's host data (once per step).
 
@@ -228,31 +237,22 @@ class DCPPlanner:
         cu = [0]
         for n in new_lens:
             cu.append(cu[-1] + n)
+        b = _Batch(list(prefix_lens), list(new_lens), cu, block_table)
         short = [i for i, n in enumerate(new_lens) if 0 < n <= self.max_sharded_query]
         long_ = [i for i, n in enumerate(new_lens) if n > self.max_sharded_query]
         return DCPStep(
             layout=self.layout,
             num_tokens=cu[-1],
-            sharded=self._sharded(short, prefix_lens, new_lens, cu, block_table) if short else None,
-            gathered=(
-                self._gathered(long_, prefix_lens, new_lens, cu, block_table, phase_of)
-                if long_
-                else None
-            ),
+            sharded=self._sharded(short, b) if short else None,
+            gathered=self._gathered(long_, b, phase_of) if long_ else None,
         )
 
     def _rows(self, reqs: Sequence[int], cu: Sequence[int]) -> torch.Tensor:
         idx = [t for i in reqs for t in range(cu[i], cu[i + 1])]
         return torch.tensor(idx, dtype=torch.long, device=self.device)
 
-    def _sharded(
-        self,
-        reqs: list[int],
-        prefix_lens: Sequence[int],
-        new_lens: Sequence[int],
-        cu: Sequence[int],
-        block_table: torch.Tensor,
-    ) -> ShardedPart:
+    def _sharded(self, reqs: list[int], b: _Batch) -> ShardedPart:
+        prefix_lens, new_lens, cu, block_table = b
         visible, owner_req, live = [], [], []
         t = 0
         for i in reqs:
@@ -279,14 +279,9 @@ class DCPPlanner:
         return ShardedPart(self._rows(reqs, cu), live_t, plan)
 
     def _gathered(
-        self,
-        reqs: list[int],
-        prefix_lens: Sequence[int],
-        new_lens: Sequence[int],
-        cu: Sequence[int],
-        block_table: torch.Tensor,
-        phase_of: Callable[[list[int]], mb.Phase],
+        self, reqs: list[int], b: _Batch, phase_of: Callable[[list[int]], mb.Phase]
     ) -> GatheredPart:
+        prefix_lens, new_lens, cu, block_table = b
         lay = self.layout
         W, ps = lay.world_size, lay.page_size
         kv = [prefix_lens[i] + new_lens[i] for i in reqs]
