@@ -9,7 +9,9 @@ whole batch with the full query ``[T, H, nope + rope]``, and the core's
 makes one :class:`mla_backend.MLAPlan` per step (``mb.plan``: the policy's decision per
 request, the kernels' index tensors), every layer reads it. Decode and short extends run the
 absorbed path, long prefills the normal path. No query-length threshold and no batch
-reordering by vLLM is involved.
+reordering by vLLM is involved. Under decode context parallel the builder makes the step's
+DCP parts instead of one plan and ``forward_mha`` runs them (:mod:`.dcp`: queries over this
+rank's shard of the cache merged across the group through the LSE, or latent rows gathered).
 
 Own metadata class (vLLM's ``MLACommonMetadata`` only accepts latent widths 320/512/576):
 any dims the core accepts work. Any block size, chunked prefill and prefix caching, fp8
@@ -33,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 from mla_backend_integrations._common import engine_cache_view, pad_rows
 from mla_backend_integrations.vllm import BACKEND_NAME, dcp
-from mla_backend_integrations.vllm.plugin import check_vllm_version
+from mla_backend_integrations.vllm.plugin import check_context_parallel, check_vllm_version
 from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -321,6 +323,12 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
                 f"attention backend {BACKEND_NAME} does not support kv_cache_dtype="
                 f"{kv_cache_dtype!r}; supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
             )
+        if self.dcp_world_size > 1 or self.pcp_world_size > 1:  # every platform, not only CPU
+            from vllm.config import get_current_vllm_config_or_none
+
+            config = get_current_vllm_config_or_none()
+            if config is not None:
+                check_context_parallel(config)
         self._dcp_group: Any = dcp.vllm_dcp_group() if self.dcp_world_size > 1 else None
         self.num_heads = num_heads
         self.head_size = head_size
