@@ -153,3 +153,23 @@ def test_dcp_fp8_cache_matches_tp_only_run(model_dirs) -> None:
         diff = (torch.tensor(_token_logprobs(a)) - torch.tensor(_token_logprobs(b))).abs().max()
         assert diff.item() <= 1e-3, f"logprob diff {diff.item()} (prompt len {len(prompt)})"
 
+
+
+# ---------------------------------------------------------------------------------------
+# Four ranks on the two cores (oversubscribed): TP 4 x DCP 4 and TP 4 x DCP 2.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("dcp", [4, 2])
+def test_tp4_dcp_matches_transformers(model_dirs, hf_oracles, dcp: int) -> None:
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1|0|1"
+    try:
+        llm = _dcp_llm(model_dirs["lite"], tensor_parallel_size=4, decode_context_parallel_size=dcp,
+                       cp_kv_cache_interleave_size=1 if dcp == 4 else BLOCK)  # fmt: skip
+        try:
+            prompts = _prompts(17, [300, 7, 45])
+            outs = _generate(llm, prompts, 8)
+        finally:
+            shutdown(llm)
+    finally:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    _check_exact(hf_oracles["lite"], prompts, outs, 8)
