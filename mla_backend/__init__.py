@@ -12,7 +12,7 @@ from .batch import MLABatch, Phase
 from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .index_cache import IndexCacheLayout, IndexerDims
-from .merge import merge_attention_states
+from .merge import merge_attention_shards, merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
 from .policy import PathChoice, Policy
@@ -51,6 +51,7 @@ __all__ = [
     "fp8_bmm",
     "indexer_logits",
     "indexer_topk",
+    "merge_attention_shards",
     "merge_attention_states",
     "normal_attention",
     "plan",

@@ -46,7 +46,7 @@ def load_triton_ops():
 
 
 def load_benchmark(name: str = "gpu"):
-    """``benchmarks/<name>.py`` (``gpu``: ``python -m benchmarks gpu``) as a module."""
+    """``benchmarks/<name>.py`` (default ``python -m benchmarks gpu``) as a module."""
     import importlib
     from pathlib import Path
 

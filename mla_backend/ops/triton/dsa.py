@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from ... import fp8 as _fp8
 from ...cache_layout import FP8_TILE
@@ -40,7 +40,7 @@ from .. import sparse as torch_sparse
 from .jit import heuristics as hx
 from .jit.indexer import indexer_logits_kernel, topk_select_kernel, write_index_keys_kernel
 from .jit.sparse_attention import sparse_attn_kernel, sparse_merge_kernel
-from .ops import _TL_DTYPE, _check_runnable, _resolve_fp8_mode, _skip_launch
+from .ops import _TL_DTYPE, _check_runnable, _interpreting, _launch, _resolve_fp8_mode, _skip_launch
 
 if TYPE_CHECKING:
     from ..base import IndexerCall, IndexKeyWrite, SparseCall
@@ -51,8 +51,8 @@ LOGITS_BUDGET = 1 << 25
 #: keys per step of the indexer
 INDEX_BLOCK_N = 64
 #: ``num_stages`` and ``num_warps`` (latents >= 256 wide) of the sparse attention: the sm_90a
-#: compile (``python -m benchmarks dsa-resources``) spills at 64 heads with 3 stages and at 16
-#: heads of ``fp8_ds_mla`` with 4 warps; these do not
+#: compile (``python -m benchmarks gpu-resources --ops sparse``) spills at 64 heads with 3
+#: stages and at 16 heads of ``fp8_ds_mla`` with 4 warps; these do not
 SPARSE_STAGES = 2
 SPARSE_WARPS = 8
 #: positions per step of the top-k selection; histogram digit width
@@ -78,7 +78,7 @@ def indexer_supported(num_blocks: int) -> bool:
 def _dot_dtype(q: torch.dtype, k: torch.dtype) -> torch.dtype:
     """The dot operands' dtype for queries ``q`` and keys ``k`` (e4m3 = FP8): exact for both."""
     if q in (torch.bfloat16, FP8) and k in (torch.bfloat16, FP8):
-        return torch.float32 if hx.interpreting() else torch.bfloat16
+        return torch.float32 if _interpreting() else torch.bfloat16
     if q in (torch.float16, FP8) and k in (torch.float16, FP8):
         return torch.float16
     return torch.float32
@@ -102,9 +102,9 @@ def _write_index_keys_op(
     fp8 = index_cache.dtype == torch.uint8
     nb = Di // quant_block if fp8 else 1
     round_bf16 = (
-        hx.interpreting() and index_cache.dtype == torch.bfloat16 and k_I.dtype != torch.bfloat16
+        _interpreting() and index_cache.dtype == torch.bfloat16 and k_I.dtype != torch.bfloat16
     )
-    wrap_triton(write_index_keys_kernel)[(T,)](
+    _launch(write_index_keys_kernel, (T,),
         index_cache, k_I, slots, Di, index_cache.shape[1], quant_block, nb,
         index_cache.stride(0), k_I.stride(0),
         FP8=fp8, UE8M0=ue8m0, BLOCK_NB=hx.next_pow2(nb),
@@ -155,7 +155,7 @@ def _launch_logits(
         cache_arg = index_cache
     blocks = triton.cdiv(max(width, 1), INDEX_BLOCK_N)
     splits = max(1, min(blocks, triton.cdiv(hx.PROGRAMS_PER_SM * hx.sm_count(q_I.device), tc)))
-    wrap_triton(indexer_logits_kernel)[(tc, splits)](
+    _launch(indexer_logits_kernel, (tc, splits),
         q_arg, weights, cache_arg, block_table, token_req, token_pos, out, t0,
         Hi, Di, index_cache.shape[1], qb, nb, width, splits,
         q_I.stride(0), q_I.stride(1), weights.stride(0), index_cache.stride(0),
@@ -213,7 +213,7 @@ def select_topk(
     """The top-k rule over rows ``0 .. tc`` of ``logits`` (float32 [>= tc, W], row i = token
     ``t0 + i``, which sees positions ``0 .. token_pos[t0 + i]``) into rows ``t0 .. t0 + tc`` of
     ``out`` (int32 [T, topk]): one program per row (:func:`.jit.indexer.topk_select_kernel`)."""
-    wrap_triton(topk_select_kernel)[(tc,)](
+    _launch(topk_select_kernel, (tc,),
         logits, token_pos, out, t0, out.shape[1], logits.stride(0), out.stride(0),
         BLOCK=SELECT_BLOCK, RADIX_BITS=RADIX_BITS, num_warps=8,
     )  # fmt: skip
@@ -252,16 +252,19 @@ def indexer_topk(call: IndexerCall, *, fp8_mode: str | None = None) -> torch.Ten
 # ----------------------------------------------------------------------------------------
 
 
-def sparse_tiles(r: int, num_heads: int, fp32: bool = False) -> tuple[int, int, int, int]:
+def sparse_tiles(r: int, num_heads: int, fp32: bool = False,
+                 e4m3: bool = False) -> tuple[int, int, int, int]:  # fmt: skip
     """(CHUNK, NUM_CHUNKS, BLOCK_H, BLOCK_N) of the sparse attention for latent width r and H
-    heads: chunks of at most one fp8 tile (128), heads up to 64 per program (the MMA's M; 16
-    for fp32 queries, whose operands would need more than 227 KB of shared memory at 64),
-    indices per step 64 (FlashMLA's block), 32 for 32 or more heads (or fp32) of a latent >= 256
-    wide (64 spills there on sm_90a with Triton 3.6: ``python -m benchmarks dsa-resources``;
-    fp32 over an fp8 cache still spills: a reference dtype, not a serving one)."""
+    heads (``fp32`` queries; an ``e4m3`` cache: per-tensor fp8 or ``fp8_ds_mla``): chunks of at
+    most one fp8 tile (128), heads up to 64 per program (the MMA's M; 16 for fp32 queries,
+    whose operands would need more than 227 KB of shared memory at 64), indices per step 64
+    (FlashMLA's block), 32 for a latent >= 256 wide except 16 heads of a 16-bit cache (64
+    spills there on sm_90a with Triton 3.6: ``python -m benchmarks gpu-resources --ops
+    sparse``; fp32 queries over an fp8 cache still spill: a reference dtype, not a serving
+    one)."""
     chunk = min(FP8_TILE, hx.dim_block(r))
     block_h = min(hx.MIN_DOT_DIM if fp32 else hx.ROWS_PER_PROGRAM, hx.dim_block(num_heads))
-    block_n = 32 if r >= 256 and (block_h >= 32 or fp32) else 64
+    block_n = 32 if r >= 256 and (block_h >= 32 or fp32 or e4m3) else 64
     return chunk, -(-r // chunk), block_h, block_n
 
 
@@ -305,8 +308,9 @@ def _sparse_attention_op(
     if _skip_launch(q_lat):
         return o, lse
     _check_runnable(dev, sparse_attn_kernel)
-    chunk, n_chunks, block_h, block_n = sparse_tiles(r, H, cd == torch.float32)
-    round_bf16 = hx.interpreting() and cd == torch.bfloat16
+    e4m3 = kv_cache.dtype in (FP8, torch.uint8)
+    chunk, n_chunks, block_h, block_n = sparse_tiles(r, H, cd == torch.float32, e4m3)
+    round_bf16 = _interpreting() and cd == torch.bfloat16
     dot = torch.float32 if round_bf16 else cd
     ds = kv_cache.dtype == torch.uint8
     has_scale = kv_scale is not None and not ds
@@ -315,7 +319,7 @@ def _sparse_attention_op(
     else:
         kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
     grid = (T, triton.cdiv(H, block_h), num_splits)
-    wrap_triton(sparse_attn_kernel)[grid](
+    _launch(sparse_attn_kernel, grid,
         q_lat, q_pe if rope else q_lat, kv_arg, block_table, kv_lens, token_req, indices,
         kv_scale if has_scale else lse, o, lse, part_o if split else lse,
         part_lse if split else lse,
@@ -333,7 +337,7 @@ def _sparse_attention_op(
     )  # fmt: skip
     if split:
         mb_h = min(hx.next_pow2(H), 16)
-        wrap_triton(sparse_merge_kernel)[(T, triton.cdiv(H, mb_h))](
+        _launch(sparse_merge_kernel, (T, triton.cdiv(H, mb_h)),
             part_o, part_lse, o, lse, num_splits, T, H, r, o.stride(0), o.stride(1),
             lse.stride(0), lse.stride(1),
             BLOCK_H=mb_h, BLOCK_R=hx.dim_block(r), ROUND_BF16=round_bf16, num_warps=4,
@@ -357,7 +361,8 @@ def sparse_attention(
         raise ValueError("kv_cache must be contiguous in its last dimension")
     if T:
         torch_sparse.check_indices(call.indices, part, call.sparse)
-    _, _, block_h, block_n = sparse_tiles(r, H, a.q_lat.dtype == torch.float32)
+    _, _, block_h, block_n = sparse_tiles(r, H, a.q_lat.dtype == torch.float32,
+                                          a.layout.kind != "plain")
     splits, per = sparse_splits(max(T, 1), triton.cdiv(max(H, 1), block_h), call.indices.shape[1],
                                 block_n, dev, num_splits)  # fmt: skip
     lay = a.layout
