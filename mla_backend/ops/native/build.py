@@ -74,7 +74,7 @@ __all__ = [
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
 _HEADERS = (
-    "mla_cpu.h",
+    "isa.h",
     "vec.h",
     "gemm_core.h",
     "amx_tiles.h",

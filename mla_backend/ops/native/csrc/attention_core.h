@@ -1,6 +1,6 @@
 // Torch-free cores of the native MLA CPU kernels: absorbed attention (decode / extend /
 // speculative verify over a paged latent cache, every cache layout) and the cache-row writers.
-// Plain C++ over raw pointers, strides and sizes (vec.h, mla_cpu.h; no ATen / c10 includes);
+// Plain C++ over raw pointers, strides and sizes (vec.h, isa.h; no ATen / c10 includes);
 // threading through a callback (Parallel). mla_cpu.cpp checks the tensors, fills Params and
 // registers the torch.library ops; a core can be built and tested outside torch.
 //
@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "mla_cpu.h"
+#include "isa.h"
 #include "vec.h"
 
 namespace mla_native {
