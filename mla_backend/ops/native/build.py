@@ -78,8 +78,13 @@ _HEADERS = (
     "vec.h",
     "gemm_core.h",
     "amx_tiles.h",
-    "attention_core.h",
+    "attention_params.h",
+    "rows.h",
+    "f32_attention.h",
+    "bf16_attention.h",
     "amx_attention.h",
+    "absorbed_attention.h",
+    "cache_writer.h",
 )
 _EXT_NAME = "mla_backend_native"
 ENV_ISA = "MLA_BACKEND_NATIVE_ISA"
