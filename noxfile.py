@@ -110,7 +110,9 @@ def _wheel(session: nox.Session) -> Path:
     PEP 517 build) into ``.nox/_wheel``."""
     if not _WHEEL:
         out = ROOT / ".nox" / "_wheel"
-        shutil.rmtree(out, ignore_errors=True)
+        # setuptools builds in the tree: a stale build/lib would ship files since removed
+        for stale in (out, ROOT / "build"):
+            shutil.rmtree(stale, ignore_errors=True)
         session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT))
         (whl,) = out.glob("mla_backend-*.whl")
         _WHEEL.append(whl)

@@ -9,8 +9,9 @@ round times both), so a load change between them shows in both. ``--fit`` also s
 of profiles at the level's peak and bandwidth (:func:`fit_profile`) for the one that picks the
 measured shapes best and, where it picks them better than the current profile, stores it in the
 package's data file (``mla_backend/profiles.json``) under the name the running implementation
-reads (``native:<level>[:<engine>]``, ``mla_backend.ops.native.profile.profile_key``; ``cpu``
-for the torch implementation) with the fit's CPU, date and score (:func:`store_if_better`).
+reads (``native:<level>[:<engine>]``: ``mla_backend.ops.native.profile.profile_key`` of the
+resolved selection; ``cpu`` for the torch implementation) with the fit's CPU, date and score
+(:func:`store_if_better`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ import torch
 
 import mla_backend as mb
 from mla_backend.cost import PROFILES_PATH, DeviceProfile, absorbed_cost, normal_cost, store_profile
-from mla_backend.ops.native.engine import attention_engine
 from mla_backend.ops.native.profile import profile_key
-from mla_backend.ops.seam import get_impl
+from mla_backend.selection import resolve
 
 from . import harness
 from .harness import interleaved, write_result
@@ -168,8 +168,8 @@ def _fit_note(measured: Sequence[Measured], shapes: str) -> str:
     """The level's current profile and the best fit of :data:`FIT_GRID`, each with its score;
     the fit stored where it is better (:func:`store_if_better`)."""
     cpu = torch.device("cpu")
-    impl = get_impl(cpu)
-    current = impl.cost_profile(cpu)
+    sel = resolve(cpu)  # what runs here: the kernels, their ISA level and attention engine
+    current = sel.kernels.cost_profile(cpu)
     best = fit_profile(current, measured)
     lines = []
     for name, prof in (("current profile", current), ("best fit", best)):
@@ -178,8 +178,8 @@ def _fit_note(measured: Sequence[Measured], shapes: str) -> str:
                      f"{prof.attn_efficiency}, normal_overhead {prof.normal_overhead * 1e3:g} ms "
                      f"(peak {prof.peak_flops / 1e12:g} TF/s): {right}/{len(measured)} right, "
                      f"summed regret {regret:.2f}")  # fmt: skip
-    level = getattr(impl, "level", None)  # the native kernels' ISA level
-    name = profile_key(level, attention_engine(level)) if level else "cpu"
+    native = sel.isa is not None and sel.attention_engine is not None
+    name = profile_key(sel.isa.value, sel.attention_engine.value) if native else "cpu"
     stamp = harness.utc_stamp()
     fit = {"cpu": harness.describe_host(), "date": stamp,
            "shapes": f"{shapes}, load average {os.getloadavg()[0]:.1f}",

@@ -14,6 +14,7 @@ from .merge import merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
 from .policy import PathChoice, Policy
+from .selection import Selection, resolve
 from .weights import (
     AbsorbWeights,
     absorb_q,
@@ -36,6 +37,7 @@ __all__ = [
     "Phase",
     "PlanPart",
     "Policy",
+    "Selection",
     "absorb_q",
     "absorbed_attention",
     "apply_W_UV",
@@ -46,6 +48,7 @@ __all__ = [
     "normal_attention",
     "plan",
     "quantize_fp8",
+    "resolve",
     "split_kv_b_proj",
     "WorkPartition",
     "weights_from_kv_b_proj",

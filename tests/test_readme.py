@@ -1,6 +1,7 @@
-"""The README stays a user's reference: at most 250 lines, and dated figures only in its
-results section (one table per device family); everything else dated lives in
-``benchmarks/results/``, the rest of the documentation in ``docs/``."""
+"""The README stays a user's reference: at most 250 lines, dated figures only in its results
+section (one table per device family; everything else dated lives in ``benchmarks/results/``,
+the rest of the documentation in ``docs/``), its configuration table the one
+``mla_backend.config`` generates, and every relative link resolving."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def test_dates_only_in_the_results_section() -> None:
     dated = {name: [x for x in lines if DATE.search(x)] for name, lines in sections.items()}
     outside = {name: lines for name, lines in dated.items() if lines and name != "Results"}
     assert not outside, f"dated lines outside ## Results (move to benchmarks/results/): {outside}"
+
+
+def test_configuration_table_is_the_config_modules() -> None:
+    from mla_backend import config
+
+    assert config.markdown_table().strip() in "\n".join(README), (
+        "README's configuration table differs from mla_backend.config.markdown_table(): "
+        "paste the function's output into the README"
+    )
 
 
 def test_links_resolve() -> None:

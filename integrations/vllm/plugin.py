@@ -20,11 +20,12 @@ backend class declares its capabilities, so nothing is patched there.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from mla_backend_integrations.vllm import BACKEND_NAME, compat
 from mla_backend_integrations.vllm.compat import TESTED_VLLM_RANGE, vllm_version
+
+from mla_backend.config import current
 
 # a child of the "vllm" logger, so vLLM's logging configuration shows our messages
 logger = logging.getLogger("vllm.mla_absorb")
@@ -48,7 +49,7 @@ def check_vllm_version(version: str | None = None) -> None:
         f"attention backend (>= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}); set "
         f"{ALLOW_UNTESTED_ENV}=1 to try it anyway"
     )
-    if os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
+    if current().flag("allow_untested_vllm"):
         logger.warning(msg)
         return
     raise RuntimeError(msg)
