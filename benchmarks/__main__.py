@@ -1,7 +1,7 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, vllm, serve, sglang, gpu, fp8-accuracy); each writes
-``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
-the roofline PNGs from ``decode-latest.md``."""
+layer, policy, vllm, vllm-dcp, serve, sglang, gpu, gpu-resources, gpu-sweep, gpu-run,
+fp8-accuracy); each writes ``benchmarks/results/<name>-latest.md`` and appends to
+``<name>-history.md``. ``plot`` redraws the roofline PNGs from ``decode-latest.md``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ COMMANDS = {
     "layer": ("layer", "one MLA layer incl. both absorptions vs CPU_MLA / AMX_MLA op sequences"),
     "policy": ("policy", "does the cost policy pick the faster path (absorbed / normal)"),
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),
+    "vllm-dcp": ("vllm_dcp", "vLLM decode context parallel: KV per rank, decode, TP vs TP x DCP"),
     "serve": ("serve", "online serving through each engine's own bench client"),
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),
     "plot": ("plot", "roofline PNG per ISA level from decode-latest.md (needs matplotlib)"),
     "gpu": ("gpu", "Triton kernels on a GPU vs FlashMLA-style baselines"),
+    "gpu-resources": ("gpu_resources", "Triton kernels compiled for sm_90a / sm_100a on the CPU"),
+    "gpu-sweep": ("gpu_sweep", "tile knobs of the Triton / Gluon kernels timed on a GPU"),
+    "gpu-run": ("gpu_run", "the one prepared GPU run: tests, benchmarks, sweep, summary"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
 }
 

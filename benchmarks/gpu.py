@@ -27,6 +27,7 @@ the copy bandwidth, ``%gemm`` our TFLOP/s over the GEMM throughput.
 
 Usage: python -m benchmarks gpu [--cache fp8|fp8_ds_mla] [--quick] [--no-check]
            [--no-graph] [--no-others] [--q-lens 1,2,16] [--peak-tflops 989 --peak-gbs 3350]
+           [--heads 16,128] [--means 4096,8192] [--batch 128] [--no-varlen] [--gluon]
        TRITON_INTERPRET=1 python -m benchmarks gpu --smoke   (CPU: plumbing only)
 """
 
@@ -234,6 +235,8 @@ def sweep(
     graph_timer: Callable[[Callable[[], object]], float] | None = None,
     measured: tuple[float, float] | None = None,
     others: bool = False,
+    varlens: tuple[bool, ...] = (False, True),
+    gluon: bool = False,
 ) -> float:
     """Time every shape and print one row each; returns the worst max|o_triton - o_torch|.
 
@@ -242,7 +245,9 @@ def sweep(
     ``graph_timer(fn)`` (optional) times the same call captured in a CUDA graph (the plan's
     tensors stay at fixed addresses; the per-layer call reads nothing back on the host);
     ``measured`` = (GEMM TFLOP/s, copy GB/s) of this machine adds ``%gemm`` / ``%copy``;
-    ``others`` adds FlashInfer's and FlashMLA's times on the same data where importable.
+    ``others`` adds FlashInfer's and FlashMLA's times on the same data where importable;
+    ``gluon`` the opt-in Gluon kernel's time (``Kernels(gluon=True)``; ``nan`` where it does
+    not serve the shape) and its max difference from the Triton kernel's output.
     """
     import mla_backend as mb
     from mla_backend.ops.triton import Kernels as TritonKernels
@@ -257,6 +262,8 @@ def sweep(
         + ("  %gemm  %copy" if measured else "")
         + ("  graph_ms" if graph_timer else "")
         + ("  flashinfer_ms  max|o-fi|  flashmla_ms" if others else "")
+        + ("  gluon_ms  max|o-gluon|" if gluon else ""),
+        flush=True,
     )
     skipped: set[str] = set()
     absorb = mb.Policy("absorb")
@@ -264,7 +271,7 @@ def sweep(
         for heads in head_list:
             dims = mb.MLADims(heads, R, 128, ROPE, DV)
             for q_len in q_lens:
-                for varlen in (False, True):
+                for varlen in varlens:
                     q_lat, q_pe, cache, b, kv_scale, kv_lens, table = _case(
                         dev, batch, mean_kv, heads, q_len, varlen, cache_dtype
                     )
@@ -300,9 +307,14 @@ def sweep(
                     if others:
                         data = SameData(q_lat, q_pe, cache, table, kv_lens, q_len, scale)
                         extra += _other_columns(run, timer, skipped, data)
+                    if gluon:
+                        extra += _gluon_column(
+                            run, timer, skipped, b, dims, dev, (q_lat, q_pe, cache, scale,
+                                                                kv_scale))
                     print(
                         f"{batch:5d} {mean_kv:7d} {heads:5d} {q_len:5d} {str(varlen):>6} "
-                        f"{parts:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}"
+                        f"{parts:6d} {ms:7.3f} {tflops:8.1f} {gbs:7.0f}  {err:.3e}{extra}",
+                        flush=True,
                     )
                     del q_lat, q_pe, cache
                     if dev.type == "cuda":
@@ -343,6 +355,40 @@ def _other_columns(
     return f"  {fi_ms:13.3f}  {fi_err:9.2e}  {fm_ms:11.3f}"
 
 
+def _gluon_column(
+    ours: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    timer: Callable[[Callable[[], object]], float],
+    skipped: set[str],
+    batch: object,
+    dims: object,
+    dev: torch.device,
+    args: tuple,
+) -> str:
+    """The Gluon kernel's ms and max|o - ours| on one shape (``nan`` where not run)."""
+    import mla_backend as mb
+    from mla_backend.ops.triton import Kernels as TritonKernels
+    from mla_backend.ops.triton import ops as tops
+
+    nan = float("nan")
+    q_lat, q_pe, cache, scale, kv_scale = args
+    plan = mb.plan(batch, dims, mb.Policy("absorb"), device=dev, impl=TritonKernels(gluon=True))
+    block_q = plan.step.work.block_q
+    block_h = TritonKernels(gluon=True)._block_h(dims, block_q)
+    if not tops._gluon_serves(q_lat, q_pe, cache, block_q, block_h):
+        skipped.add("gluon: not served (CUDA, bf16/fp16 cache, page 64, r 512, rope 64 only)")
+        return f"  {nan:8.3f}  {nan:10.2e}"
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return mb.absorbed_attention(q_lat, q_pe, cache, plan, scale, kv_scale)
+
+    try:
+        err = float((run()[0].float() - ours()[0].float()).abs().max())
+        return f"  {timer(run):8.3f}  {err:10.2e}"
+    except Exception as exc:  # report, keep sweeping
+        skipped.add(f"gluon failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return f"  {nan:8.3f}  {nan:10.2e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
@@ -350,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         "--cache", choices=["bf16", "fp8", "fp8_ds_mla"], default="bf16", help="latent cache"
     )
     p.add_argument("--quick", action="store_true", help="only mean kv 4096, heads 16 and 128")
+    p.add_argument("--heads", default=None, help="query heads, e.g. 16,128 (default: all)")
+    p.add_argument("--means", default=None, help="mean kv lengths, e.g. 4096,8192")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--no-varlen", action="store_true", help="fixed kv lengths only")
+    p.add_argument("--gluon", action="store_true", help="add the Gluon kernel's column")
     p.add_argument("--no-check", action="store_true", help="skip the torch-path comparison")
     p.add_argument("--q-lens", default="1,2", help="new tokens per request (e.g. 1,2,16,64)")
     p.add_argument(
@@ -405,17 +456,23 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(dev)
     print(
         f"device: {name}, SMs/CUs: {hx.sm_count(dev)}, cache {args.cache}, page {PAGE}; "
-        f"torch {torch.__version__}, triton {triton.__version__}"
+        f"torch {torch.__version__}, triton {triton.__version__}",
+        flush=True,
     )
     measured = None
     if not args.no_others:
         measured = (measured_gemm_tflops(dev), measured_copy_gbs(dev))
-        print(f"measured: bf16 GEMM {measured[0]:.0f} TFLOP/s, copy {measured[1]:.0f} GB/s")
+        print(f"measured: bf16 GEMM {measured[0]:.0f} TFLOP/s, copy {measured[1]:.0f} GB/s",
+              flush=True)
     means = [4096] if args.quick else [4096, 8192]
     head_list = [16, 128] if args.quick else [16, 32, 64, 128]
+    if args.means:
+        means = [int(x) for x in args.means.split(",")]
+    if args.heads:
+        head_list = [int(x) for x in args.heads.split(",")]
     sweep(
         dev,
-        128,
+        args.batch,
         means,
         head_list,
         q_lens,
@@ -426,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         graph_timer=None if args.no_graph else _graph_timer,
         measured=measured,
         others=not args.no_others,
+        varlens=(False,) if args.no_varlen else (False, True),
+        gluon=args.gluon,
     )
     return 0
 
@@ -472,5 +531,6 @@ def _smoke(cache_dtype: torch.dtype, peaks: tuple[float, float] | None) -> int:
         timer=lambda fn: 1.0,
         peaks=peaks,
         others=True,  # the FlashInfer / FlashMLA columns' plumbing (n/a without a GPU)
+        gluon=True,  # the Gluon column's plumbing (not served on CPU: nan)
     )
     return 0 if worst < 5e-2 else 1

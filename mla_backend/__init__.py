@@ -10,7 +10,7 @@ from .attention import MLAAttention, absorbed_attention, normal_attention, write
 from .batch import MLABatch, Phase
 from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
-from .merge import merge_attention_states
+from .merge import merge_attention_shards, merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
 from .policy import PathChoice, Policy
@@ -44,6 +44,7 @@ __all__ = [
     "dequantize_fp8",
     "dims_from",
     "fp8_bmm",
+    "merge_attention_shards",
     "merge_attention_states",
     "normal_attention",
     "plan",

@@ -242,6 +242,21 @@ class MLAAttention:
                 out.index_copy_(0, rows, o)
             return out
 
+    def absorb_q(self, q_nope: torch.Tensor, impl: KernelImpl | None = None) -> torch.Tensor:
+        """``q_lat = q_nope · W_UK`` with this layer's weights as ``impl`` reads them (default:
+        the device's implementation): q_nope [T, H, nope] -> [T, H, r] in its dtype. For
+        callers that run the absorbed attention themselves (context-parallel shards)."""
+        impl = impl if impl is not None else get_impl(q_nope.device)
+        with torch.no_grad():
+            return impl.absorb_q(q_nope, self._weights_for(impl))
+
+    def apply_W_UV(self, o_lat: torch.Tensor, impl: KernelImpl | None = None) -> torch.Tensor:
+        """``o = o_lat · W_UV``: o_lat [T, H, r] -> o [T, H, v] in its dtype (see
+        :meth:`absorb_q`)."""
+        impl = impl if impl is not None else get_impl(o_lat.device)
+        with torch.no_grad():
+            return impl.apply_W_UV(o_lat, self._weights_for(impl))
+
     def _weights_for(self, impl: KernelImpl) -> AbsorbWeights:
         w = self._prepared.get(impl.name)
         if w is None:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 from mla_backend_integrations._common import engine_cache_view, pad_rows
-from mla_backend_integrations.sglang import BACKEND_NAME
+from mla_backend_integrations.sglang import BACKEND_NAME, compat
 from mla_backend_integrations.sglang.batch import build_mla_batch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
@@ -85,7 +85,7 @@ class MLAAbsorbBackend(AttentionBackend):
         self.device = torch.device(model_runner.device)
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
         heads = (
-            mc.get_num_attention_heads(getattr(model_runner, "tp_size", 1) or 1)
+            mc.get_num_attention_heads(compat.attention_tp_size(model_runner))
             if hasattr(mc, "get_num_attention_heads")
             else mc.num_attention_heads
         )
@@ -178,6 +178,11 @@ class MLAAbsorbBackend(AttentionBackend):
         _fail("CUDA graphs are not supported; pass --disable-cuda-graph")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def get_cpu_graph_seq_len_fill_value(self) -> int:
+        """The sequence length of the padding requests SGLang adds on CPU (DP attention pads
+        every rank's batch to one size for the gathered MLP): 1, as on GPUs."""
         return 1
 
     # ------------------------------------------------------------------ metadata

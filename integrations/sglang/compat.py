@@ -5,7 +5,9 @@ it was written for and checked against (outside them it is skipped, logged once)
   plain ``MLA`` method, never the CPU fused-rope subtype (:func:`absorbed_forward_method`).
 - :data:`CPU_IMPORT_STUBS` (SGLang >= 0.5.23, < 0.5.24): import-only stand-ins for
   ``torchvision`` and ``sgl_kernel`` on a CPU machine (:func:`add_import_stubs`; the stand-ins
-  themselves are test tooling under ``tests/stubs``, never shipped).
+  themselves are test tooling under ``tests/stubs``, never shipped);
+- :data:`ATTENTION_TP_SIZE` (SGLang >= 0.5.23, < 0.5.24): a layer's heads are split over the
+  attention-TP group, which DP attention makes smaller than ``--tp`` (:func:`attention_tp_size`).
 
 Each one's ``upstream`` attribute says, in one sentence, which SGLang behaviour it works
 around. Importing this module does not import SGLang.
@@ -53,6 +55,30 @@ CPU_IMPORT_STUBS = Workaround(
     sglang_version,
     _LOGGER,
 )
+
+ATTENTION_TP_SIZE = Workaround(
+    "attention-tp-size",
+    TESTED_SGLANG_RANGE,
+    "with DP attention (--attn-dp-size, formerly --enable-dp-attention --dp) a layer's heads "
+    "are split over the attention-TP group (tp_size / attn_dp_size ranks, read from "
+    "sglang.srt.runtime_context.get_parallel().attn_tp_size), not over the model runner's "
+    "tp_size",
+    sglang_version,
+    _LOGGER,
+)
+
+
+def attention_tp_size(model_runner: Any) -> int:
+    """How many ranks split a layer's heads: SGLang's attention-TP size (inside
+    :data:`ATTENTION_TP_SIZE`'s versions), else the runner's ``tp_size``."""
+    if ATTENTION_TP_SIZE.applies():
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            return int(get_parallel().attn_tp_size)
+        except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError):
+            pass  # no parallel context (a test's mock runner): the runner's own size
+    return int(getattr(model_runner, "tp_size", 1) or 1)
 
 
 def absorbed_forward_method(attn: Any, forward_batch: Any) -> Any:

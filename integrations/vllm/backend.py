@@ -9,7 +9,9 @@ whole batch with the full query ``[T, H, nope + rope]``, and the core's
 makes one :class:`mla_backend.MLAPlan` per step (``mb.plan``: the policy's decision per
 request, the kernels' index tensors), every layer reads it. Decode and short extends run the
 absorbed path, long prefills the normal path. No query-length threshold and no batch
-reordering by vLLM is involved.
+reordering by vLLM is involved. Under decode context parallel the builder makes the step's
+DCP parts instead of one plan and ``forward_mha`` runs them (:mod:`.dcp`: queries over this
+rank's shard of the cache merged across the group through the LSE, or latent rows gathered).
 
 Own metadata class (vLLM's ``MLACommonMetadata`` only accepts latent widths 320/512/576):
 any dims the core accepts work. Any block size, chunked prefill and prefix caching, fp8
@@ -32,8 +34,8 @@ from typing import Any, ClassVar
 
 import torch
 from mla_backend_integrations._common import engine_cache_view, pad_rows
-from mla_backend_integrations.vllm import BACKEND_NAME
-from mla_backend_integrations.vllm.plugin import check_vllm_version
+from mla_backend_integrations.vllm import BACKEND_NAME, dcp
+from mla_backend_integrations.vllm.plugin import check_context_parallel, check_vllm_version
 from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -130,7 +132,7 @@ class MLAAbsorbMetadata(AttentionMetadata):
     every layer) plus the counters vLLM's ``MLAAttention.forward_impl`` reads (it sees zero
     "decode" tokens, so all tokens go to ``forward_mha``)."""
 
-    plan: mb.MLAPlan
+    plan: mb.MLAPlan | None
     num_reqs: int
     num_actual_tokens: int
     max_query_len: int
@@ -143,6 +145,7 @@ class MLAAbsorbMetadata(AttentionMetadata):
     causal: bool = True
     prefill: Any = None
     decode: Any = None
+    dcp_step: dcp.DCPStep | None = None  # decode context parallel: the step (plan is None)
 
 
 def batch_phase(new_lens: list[int], num_spec_tokens: int) -> mb.Phase:
@@ -182,6 +185,9 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         self.policy = mb.Policy.from_env()
         self.device = torch.device(device)
         self._modes_seen: set[str] = set()
+        self.dcp_planner = dcp.planner_for(
+            vllm_config, self.page_size, self.dims, self.policy, self.device, self.num_spec_tokens
+        )
 
     def build(
         self,
@@ -206,6 +212,8 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             seq_host = m.seq_lens
         seq_lens = seq_host[:n].tolist()
         prefix_lens = [s - q for s, q in zip(seq_lens, new_lens, strict=True)]
+        if self.dcp_planner is not None:
+            return self._build_dcp(m, prefix_lens, new_lens)
         batch = mb.MLABatch.build(
             prefix_lens,
             new_lens,
@@ -222,22 +230,53 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             )
         else:
             logger.debug("%s: %s step, phase=%s", BACKEND_NAME, plan.mode, batch.phase.value)
+        return self._metadata(m, plan)
+
+    @staticmethod
+    def _metadata(
+        m: CommonAttentionMetadata, plan: mb.MLAPlan | None, dcp_step: dcp.DCPStep | None = None
+    ) -> MLAAbsorbMetadata:
+        """The step's metadata: its plan (or DCP parts) and vLLM's counters."""
         return MLAAbsorbMetadata(
             plan=plan,
-            num_reqs=n,
+            num_reqs=m.num_reqs,
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             max_seq_len=m.max_seq_len,
             query_start_loc=m.query_start_loc,
             slot_mapping=m.slot_mapping,
-            num_prefills=n,
+            num_prefills=m.num_reqs,
+            dcp_step=dcp_step,
         )
+
+    def _build_dcp(
+        self, m: CommonAttentionMetadata, prefix_lens: list[int], new_lens: list[int]
+    ) -> MLAAbsorbMetadata:
+        """Under decode context parallel: the step's sharded and gathered parts
+        (:class:`mla_backend_integrations.vllm.dcp.DCPPlanner`) instead of one plan."""
+        assert self.dcp_planner is not None
+        step = self.dcp_planner.build(
+            prefix_lens, new_lens, m.block_table_tensor[: m.num_reqs],
+            lambda lens: batch_phase(lens, self.num_spec_tokens),
+        )  # fmt: skip
+        if step.modes not in self._modes_seen:
+            self._modes_seen.add(step.modes)
+            logger.info(
+                "%s: first DCP %s step (rank %d/%d, new_lens=%s, prefix_lens=%s)",
+                BACKEND_NAME, step.modes, step.layout.rank, step.layout.world_size,
+                new_lens[:8], prefix_lens[:8],
+            )  # fmt: skip
+        return self._metadata(m, None, step)
 
 
 class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
     """Per-layer implementation: cache writes and attention through ``mla_backend``."""
 
-    can_return_lse_for_decode: bool = False
+    # decode context parallel: this impl merges the shards' partial results through their LSE
+    # itself, in forward_mha (dcp.py), which vLLM's DCP check asks of a backend in these terms
+    can_return_lse_for_decode: bool = True
+    supports_dcp: bool = True
+    supports_mtp_with_cp_non_trivial_interleave_size: bool = True
 
     def __init__(
         self,
@@ -285,11 +324,13 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
                 f"attention backend {BACKEND_NAME} does not support kv_cache_dtype="
                 f"{kv_cache_dtype!r}; supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
             )
-        if self.dcp_world_size > 1:
-            raise ValueError(
-                f"attention backend {BACKEND_NAME} does not support decode context parallel "
-                f"size {self.dcp_world_size}"
-            )
+        if self.dcp_world_size > 1 or self.pcp_world_size > 1:  # every platform, not only CPU
+            from vllm.config import get_current_vllm_config_or_none
+
+            config = get_current_vllm_config_or_none()
+            if config is not None:
+                check_context_parallel(config)
+        self._dcp_group: Any = dcp.vllm_dcp_group() if self.dcp_world_size > 1 else None
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -396,21 +437,39 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
             raise ValueError(f"attention backend {BACKEND_NAME} does not fuse output quantization")
         if self.attn is None:
             raise RuntimeError("MLA_ABSORB: process_weights_after_loading was not called")
-        plan = attn_metadata.plan
-        T = plan.num_tokens
         nope = self.dims.qk_nope_head_dim
         q = q.view(q.shape[0], self.num_heads, -1)
         rows = output.view(output.shape[0], -1)
-        into = None  # the core writes the step's rows of vLLM's output in place where it can
-        if output.dtype == q.dtype and rows.shape[1] == self.num_heads * self.dims.v_head_dim:
-            into = rows[:T].view(T, self.num_heads, self.dims.v_head_dim)
+
+        def into(T: int) -> torch.Tensor | None:
+            """The step's rows of vLLM's output as [T, H, v], where the core can write them in
+            place (same dtype and row width), else None."""
+            if output.dtype != q.dtype or rows.shape[1] != self.num_heads * self.dims.v_head_dim:
+                return None
+            return rows[:T].view(T, self.num_heads, self.dims.v_head_dim)
+
+        if attn_metadata.dcp_step is not None:
+            T = attn_metadata.dcp_step.num_tokens
+            o = into(T)
+            if o is None:
+                o = q.new_empty(T, self.num_heads, self.dims.v_head_dim)
+            dcp.dcp_attention(
+                self.attn, attn_metadata.dcp_step, q[:T, :, :nope], q[:T, :, nope:],
+                self._cache_view(kv_c_and_k_pe_cache), self._kv_scale(k_scale),
+                self._dcp_group, o,
+            )  # fmt: skip
+            pad_rows(o, output.shape[0], out=output)  # zeroes the padding rows only
+            return
+        plan = attn_metadata.plan
+        assert plan is not None
+        T = plan.num_tokens
         o = self.attn(
             q[:T, :, :nope],
             q[:T, :, nope:],
             self._cache_view(kv_c_and_k_pe_cache),
             plan,
             self._kv_scale(k_scale),
-            out=into,
+            out=into(T),
         )
         pad_rows(o, output.shape[0], out=output)  # zeroes the padding rows only
 

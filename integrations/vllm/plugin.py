@@ -98,6 +98,7 @@ def register() -> None:
 
     if current_platform.is_cpu():
         compat.patch_cpu_platform(is_selected, prepare_cpu_config)
+        compat.patch_cpu_dcp_slot_mapping()
 
 
 def is_selected(vllm_config: Any) -> bool:
@@ -143,11 +144,33 @@ def validate_engine_config(vllm_config: Any) -> None:
             f"attention backend {BACKEND_NAME} does not support kv_cache_dtype={cache_dtype!r}; "
             f"supported: {', '.join(ENGINE_NAMES)}"
         )
+    check_context_parallel(vllm_config)
+
+
+def check_context_parallel(vllm_config: Any) -> None:
+    """Decode context parallel is served (any size vLLM accepts, interleave sizes dividing the
+    block size); prefill context parallel and DCP's replicated query projection are not."""
     parallel = vllm_config.parallel_config
-    for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        size = getattr(parallel, attr, 1)
-        if size > 1:
-            raise ValueError(f"attention backend {BACKEND_NAME} does not support {attr}={size}")
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        raise ValueError(
+            f"attention backend {BACKEND_NAME} does not support prefill_context_parallel_size="
+            f"{pcp}; supported: 1 (decode_context_parallel_size > 1 is supported)"
+        )
+    dcp_size = getattr(parallel, "decode_context_parallel_size", 1)
+    if dcp_size <= 1:
+        return
+    if getattr(parallel, "dcp_q_replicate", None):
+        raise ValueError(
+            f"attention backend {BACKEND_NAME} does not support dcp_q_replicate=True with "
+            f"decode_context_parallel_size={dcp_size}: it gathers the absorbed query itself; "
+            "leave dcp_q_replicate unset or False"
+        )
+    from mla_backend_integrations.vllm.dcp import check_shard_layout
+
+    block_size = vllm_config.cache_config.block_size
+    if block_size is not None:
+        check_shard_layout(dcp_size, parallel.cp_kv_cache_interleave_size, int(block_size))
 
 
 def prepare_cpu_config(vllm_config: Any) -> None:

@@ -26,6 +26,7 @@ from triton_case import (  # noqa: E402
     TCase,
     TritonKernels,
     assert_matches,
+    dense_reference,
     load_benchmark,
     tops,
 )
@@ -476,3 +477,106 @@ def test_gpu_benchmark_plumbing_on_cpu(capsys) -> None:
     )
     out = capsys.readouterr().out
     assert out.count("\n    2      80    16") == 8 and "%roofline" in out
+
+
+# ----------------------------------------------------------------------------------------
+# Tile knobs of the chunked kernel (issue 28): latent chunks, padded rows, fp16 latent dots
+# for e4m3 caches, launch options, the occupancy-aware split count
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("r,chunk", [(32, 16), (96, 32), (512, 128), (200, 64), (64, 512)])
+def test_latent_chunks_match_reference(r: int, chunk: int) -> None:
+    case = TCase([37, 4], [1, 2], H=3, r=r, rope=16, page_size=16, seed=r + chunk,
+                 q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    block_r = hx.dim_block(r)
+    assert hx.latent_chunks(block_r, chunk) == min(block_r // min(chunk, block_r), 4)
+    assert_matches(case, case.triton(num_kv_splits=2, chunk=chunk))
+
+
+@pytest.mark.parametrize("cache", [FP8_DTYPE, torch.uint8], ids=["fp8", "fp8_ds_mla"])
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_fp8_fp16_latent_dots(cache: torch.dtype, chunk: int) -> None:
+    """e4m3 caches with the latent dots in fp16 (exact widening): same accuracy bar as bf16."""
+    case = TCase([70, 9], [1, 3], H=4, r=256, rope=32, page_size=16, cache_dtype=cache,
+                 q_dtype=torch.bfloat16, seed=chunk)
+    out = case.triton(num_kv_splits=3, chunk=chunk, fp8_f16=True)
+    if cache == torch.uint8:  # the ds reference reads the dequantized rows (see ds tests)
+        seqs = [s.to(torch.bfloat16).double() for s in case.seqs]
+        o_ref, lse_ref = dense_reference(case.q_lat, case.q_pe, seqs, case.prefix, case.new,
+                                         case.scale)
+        torch.testing.assert_close(out[0].cpu().double(), o_ref, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out[1].cpu().double(), lse_ref, atol=3e-2, rtol=3e-2)
+    else:
+        assert_matches(case, out)
+
+
+@pytest.mark.parametrize("H,q_len,rows", [(4, 1, 16), (16, 1, 64), (3, 2, 64)])
+def test_pad_rows_to_a_full_block(H: int, q_len: int, rows: int) -> None:
+    bq, bh = hx.attention_tiles(H, q_len, rows, pad=True)
+    assert bq * bh == rows and bh >= H
+    case = TCase([21, 50], [q_len] * 2, H=H, r=32, rope=16, page_size=16, seed=H + rows)
+    assert_matches(case, case.triton(num_kv_splits=2, rows_per_program=rows, pad_rows=True))
+
+
+def test_launch_knobs_are_checked() -> None:
+    for kw, name in [({"num_warps": 3}, "num_warps=3"), ({"num_stages": 0}, "num_stages=0"),
+                     ({"chunk": 48}, "chunk=48"), ({"block_n": 24}, "block_n=24")]:
+        with pytest.raises(ValueError, match=name):
+            TritonKernels(**kw)
+    with pytest.raises(ValueError, match="fp8_ds_mla latent of 1024"):
+        hx.latent_chunks(1024, 128, 128)
+    assert hx.latent_chunks(1024, 128) == 4  # plain caches: wider chunks
+    # knobs the interpreter ignores still reach the launch
+    case = TCase([9], [1], H=2, r=32, rope=16, page_size=16, seed=2)
+    assert_matches(case, case.triton(num_warps=8, num_stages=2))
+
+
+def test_split_count_follows_residency() -> None:
+    """One wave of resident programs: 2 per SM at 4 warps, 1 at 8 (64 rows, FlashMLA's)."""
+    assert hx.ctas_per_sm(16, 64, 4) == 2 and hx.ctas_per_sm(64, 32, 8) == 1
+    assert hx.num_parts(1, 132, hx.ctas_per_sm(16, 64, 4)) == 264
+    assert hx.num_parts(2, 132, hx.ctas_per_sm(64, 32, 8)) == 66
+    from mla_backend.parts import StepShape
+
+    dims = mb.MLADims(128, 512, 128, 64, 512)
+    step = StepShape(dims, [1] * 4, [100] * 4, torch.device("cpu"),
+                     torch.zeros(4, 2, dtype=torch.int32), 64)
+    bq, parts = TritonKernels().work_shape(step)
+    assert (bq, parts) == (1, hx.CPU_FALLBACK_SM_COUNT // 2)  # 2 head blocks of 64, 8 warps
+
+
+# ----------------------------------------------------------------------------------------
+# The Gluon kernel's host side (the kernel itself runs only on a GPU: test_triton_gpu_only)
+# ----------------------------------------------------------------------------------------
+
+
+def test_gluon_serves_rule() -> None:
+    from mla_backend.ops.triton.jit import gluon_attention as ga
+
+    bf = torch.bfloat16
+    assert ga.serves(16, 512, 64, 64, bf, bf, 1, 16)
+    assert ga.serves(128, 512, 64, 64, bf, bf, 1, 64)
+    assert ga.serves(32, 512, 64, 64, torch.float16, torch.float16, 2, 32)
+    assert not ga.serves(16, 512, 64, 16, bf, bf, 1, 16)  # page 16
+    assert not ga.serves(16, 256, 64, 64, bf, bf, 1, 16)  # r 256
+    assert not ga.serves(24, 512, 64, 64, bf, bf, 1, 32)  # heads not a divisor of 64
+    assert not ga.serves(16, 512, 64, 64, bf, FP8_DTYPE, 1, 16)  # fp8 cache
+    assert not ga.serves(16, 512, 64, 64, bf, bf, 8, 16)  # 128 rows
+
+
+def test_gluon_knob_plans_whole_pages_and_falls_back_off_gpu() -> None:
+    """Kernels(gluon=True) cuts its schedule at 64-row pages; where Gluon does not serve
+    (CPU tensors: Gluon has no interpreter) the Triton kernel runs, checked against the
+    reference."""
+    with pytest.raises(ValueError, match="block_n=32"):
+        TritonKernels(gluon=True, block_n=32)
+    case = TCase([130, 7], [1, 2], H=16, r=512, rope=64, page_size=64, seed=3,
+                 q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    kernels = TritonKernels(gluon=True, num_kv_splits=3)
+    plan = case.plan(kernels)
+    meta = plan.step.work.state.part_meta.cpu()
+    assert (meta[:, 1] % 64 == 0).all() and (meta[:, 3] % 64 == 0).all()
+    if not ON_GPU:
+        assert_matches(case, mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, plan,
+                                                   case.scale))

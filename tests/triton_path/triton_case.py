@@ -43,15 +43,15 @@ def load_triton_ops():
     return triton_ops
 
 
-def load_benchmark():
-    """``benchmarks/gpu.py`` (``python -m benchmarks gpu``) as a module."""
+def load_benchmark(name: str = "gpu"):
+    """``benchmarks/<name>.py`` (default ``python -m benchmarks gpu``) as a module."""
     import importlib
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
     if root not in sys.path:
         sys.path.insert(0, root)
-    return importlib.import_module("benchmarks.gpu")
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 tops = load_triton_ops()

@@ -139,9 +139,15 @@ def _fake_config(**model_kw) -> SimpleNamespace:
     )
     return SimpleNamespace(
         model_config=model,
-        cache_config=SimpleNamespace(cache_dtype=model_kw.get("cache_dtype", "auto")),
+        cache_config=SimpleNamespace(
+            cache_dtype=model_kw.get("cache_dtype", "auto"),
+            block_size=model_kw.get("block_size", 16),
+        ),
         parallel_config=SimpleNamespace(
-            decode_context_parallel_size=model_kw.get("dcp", 1), prefill_context_parallel_size=1
+            decode_context_parallel_size=model_kw.get("dcp", 1),
+            prefill_context_parallel_size=model_kw.get("pcp", 1),
+            cp_kv_cache_interleave_size=model_kw.get("interleave", 1),
+            dcp_q_replicate=model_kw.get("q_replicate"),
         ),
     )
 
@@ -154,13 +160,21 @@ def _fake_config(**model_kw) -> SimpleNamespace:
         (dict(use_mla=False), "does not use MLA"),
         (dict(hf={"index_topk": 2048}), "index_topk=2048"),
         (dict(cache_dtype="int8"), "kv_cache_dtype='int8'"),
-        (dict(dcp=2), "decode_context_parallel_size=2"),
+        (dict(pcp=2), "prefill_context_parallel_size=2"),
+        (dict(dcp=2, q_replicate=True), "dcp_q_replicate=True"),
+        (dict(dcp=2, interleave=3), "cp_kv_cache_interleave_size=3 does not divide block_size=16"),
+        (dict(dcp=2, interleave=32), "cp_kv_cache_interleave_size=32 does not divide"),
     ],
 )
 def test_unsupported_settings_are_named(kw: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named.replace("[", r"\[")):
         plugin.validate_engine_config(_fake_config(**kw))
     plugin.validate_engine_config(_fake_config())  # the supported case passes
+
+
+@pytest.mark.parametrize("kw", [dict(dcp=2), dict(dcp=4, interleave=16), dict(dcp=2, interleave=8)])
+def test_decode_context_parallel_settings_pass(kw: dict) -> None:
+    plugin.validate_engine_config(_fake_config(**kw))
 
 
 def test_cli_launcher_bench_latency(model_dirs) -> None:

@@ -30,6 +30,18 @@ class Kernels(KernelImpl):
         rows_per_program: query rows (heads x tokens) per program, a power of two >= 16
             (default :data:`heuristics.ROWS_PER_PROGRAM` = 64, FlashMLA's block).
         fp8_mode: ``"native"`` or ``"bits"`` e4m3 conversion (default :func:`fp8_mode`).
+        num_warps / num_stages: launch options of the attention kernel (default
+            :func:`heuristics.num_warps` / Triton's).
+        pad_rows: fill every program's ``rows_per_program`` rows even when the heads (x new
+            tokens) are fewer (masked rows: 16 heads in a 64-row block get Hopper's wgmma).
+        chunk: latent columns per chunk (default :data:`heuristics.LATENT_CHUNK`).
+        fp8_f16: fp8 and ``fp8_ds_mla`` caches: the latent dots (q·kᵀ, P·V) in fp16 instead
+            of the queries' bf16: e4m3 -> fp16 is exact and one conversion per two values
+            (to bf16 it costs two more per value); queries beyond fp16's range (65504) give
+            NaN rows, never a silently wrong value.
+        gluon: run the Gluon kernel (:mod:`.jit.gluon_attention`: Hopper, FlashMLA's split of
+            the work between two warpgroups) where it serves the call; opt-in until timed.
+            Its schedule is cut at whole 64-row pages (``block_n`` 64).
     """
 
     name = "triton"
@@ -41,6 +53,12 @@ class Kernels(KernelImpl):
         block_n: int | None = None,
         rows_per_program: int = hx.ROWS_PER_PROGRAM,
         fp8_mode: str | None = None,
+        num_warps: int | None = None,
+        num_stages: int | None = None,
+        pad_rows: bool = False,
+        chunk: int = hx.LATENT_CHUNK,
+        fp8_f16: bool = False,
+        gluon: bool = False,
     ) -> None:
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
@@ -49,15 +67,25 @@ class Kernels(KernelImpl):
             raise ValueError(
                 f"rows_per_program={rows} must be a power of two >= {hx.MIN_DOT_DIM}"
             )
+        if block_n is not None and (block_n < hx.MIN_DOT_DIM or block_n & (block_n - 1)):
+            raise ValueError(f"block_n={block_n} must be a power of two >= {hx.MIN_DOT_DIM}")
+        if gluon and block_n not in (None, 64):
+            raise ValueError(f"block_n={block_n}: the Gluon kernel walks whole 64-row pages")
+        hx.check_launch_knobs(chunk, num_warps, num_stages)
         self.rows_per_program = rows
         self.num_kv_splits = num_kv_splits
         self.block_n = block_n
         self.fp8_mode = fp8_mode
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.pad_rows, self.chunk, self.fp8_f16, self.gluon = pad_rows, chunk, fp8_f16, gluon
 
     def __repr__(self) -> str:
         return (
             f"ops.triton.Kernels(num_kv_splits={self.num_kv_splits}, block_n={self.block_n}, "
-            f"rows_per_program={self.rows_per_program}, fp8_mode={self.fp8_mode})"
+            f"rows_per_program={self.rows_per_program}, fp8_mode={self.fp8_mode}, "
+            f"num_warps={self.num_warps}, num_stages={self.num_stages}, "
+            f"pad_rows={self.pad_rows}, chunk={self.chunk}, fp8_f16={self.fp8_f16}, "
+            f"gluon={self.gluon})"
         )
 
     def describe(self, device: torch.device) -> dict[str, Decision]:
@@ -78,21 +106,27 @@ class Kernels(KernelImpl):
     def work_shape(self, step: StepShape) -> tuple[int, int]:
         dims = step.dims
         block_q, block_h = hx.attention_tiles(
-            dims.num_heads, max(step.new_lens, default=1), self.rows_per_program
+            dims.num_heads, max(step.new_lens, default=1), self.rows_per_program, self.pad_rows
         )
         if self.num_kv_splits is not None:
             return block_q, self.num_kv_splits
         heads = triton.cdiv(dims.num_heads, block_h)
-        return block_q, hx.num_parts(heads, hx.sm_count(step.device))
+        # one wave of the programs resident per SM (the split count from residency)
+        warps = self.num_warps or hx.num_warps(block_q * block_h, hx.dim_block(dims.kv_lora_rank))
+        ctas = hx.ctas_per_sm(block_q * block_h, self._block_n(dims, block_q), warps)
+        return block_q, hx.num_parts(heads, hx.sm_count(step.device), ctas)
 
     def _block_h(self, dims: MLADims, block_q: int) -> int:
-        return hx.attention_tiles(dims.num_heads, block_q, self.rows_per_program)[1]
+        return hx.attention_tiles(dims.num_heads, block_q, self.rows_per_program,
+                                  self.pad_rows)[1]
 
-    def _block_n(self, dims: MLADims, block_q: int) -> int:
+    def _block_n(self, dims: MLADims, block_q: int, fp8: bool = False) -> int:
         if self.block_n is not None:
             return self.block_n
+        if self.gluon:
+            return 64
         block_h = self._block_h(dims, block_q)
-        return hx.kv_block(hx.dim_block(dims.kv_lora_rank), block_q * block_h)
+        return hx.kv_block(hx.dim_block(dims.kv_lora_rank), block_q * block_h, fp8)
 
     def plan_state(self, step: StepShape, block_q: int, num_splits: int) -> TritonSchedule:
         """The plan-time split schedule of :mod:`mla_backend.ops.triton.schedule`, from the
@@ -121,7 +155,10 @@ class Kernels(KernelImpl):
         part = call.part
         o, lse = triton_ops.absorbed_attention(
             call.q_lat, call.q_pe, call.kv_cache, part, call.softmax_scale, call.kv_scale,
-            schedule=state, block_n=self._block_n(part.dims, part.work.block_q),
+            schedule=state,
+            block_n=self._block_n(part.dims, part.work.block_q, call.layout.kind != "plain"),
             block_h=self._block_h(part.dims, part.work.block_q), fp8_mode=self.fp8_mode,
+            chunk=self.chunk, num_warps=self.num_warps, num_stages=self.num_stages,
+            fp8_f16=self.fp8_f16, gluon=self.gluon,
         )
         return call.deliver(o, lse)

@@ -37,7 +37,10 @@ kernels on real data; on a GPU ``wrap_triton`` records the launch instead), and
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -72,9 +75,55 @@ def _row_width(kv_cache: torch.Tensor, r: int, rope: int, compute_dtype: torch.d
 _LOG2E = 1.0 / math.log(2.0)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch (see :func:`record_launches`): the kernel, its grid, its
+    positional arguments and its keyword arguments (constexprs and launch options)."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+
+
+#: the launches recorded instead of run, while :func:`record_launches` is active
+_RECORDING: list[list[Launch]] = []
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[Launch]]:
+    """Within this block the ops record their kernel launches (with the constexprs a GPU
+    compile gets, also under the interpreter) instead of running them, on any device's
+    tensors: what the ahead-of-time resource check (``python -m benchmarks gpu-resources``)
+    compiles is exactly what a call launches."""
+    launches: list[Launch] = []
+    _RECORDING.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDING.pop()
+
+
+def _launch(kernel: object, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    if _RECORDING:
+        _RECORDING[-1].append(Launch(kernel, grid, args, kwargs))
+        return
+    if type(kernel).__name__.startswith("Gluon"):
+        # launched directly: torch's wrap_triton analyses Triton (not Gluon) kernels' IR, so
+        # the Gluon path runs eagerly (and is not traced by torch.compile)
+        kernel[grid](*args, **kwargs)
+        return
+    wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+def _interpreting() -> bool:
+    """Run on the Triton interpreter (and not recording launches for a GPU compile)."""
+    return hx.interpreting() and not _RECORDING
+
+
 def _check_runnable(device: torch.device, kernel: object) -> None:
     """Triton kernels run on GPU tensors, or on CPU tensors only under the interpreter."""
-    if device.type == "cuda":
+    if device.type == "cuda" or _RECORDING:
         return
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -129,7 +178,9 @@ def _write_latent_op(
     _check_runnable(kv_cache.device, write_latent_kernel)
     if kv_cache.dtype == torch.uint8:  # fp8_ds_mla (kv_scale is not used: per-tile scales)
         layout = CacheLayout.ds_mla(r, rope, c_kv.dtype)
-        wrap_triton(write_latent_ds_kernel)[(T,)](
+        _launch(
+            write_latent_ds_kernel,
+            (T,),
             kv_cache,
             c_kv,
             k_pe,
@@ -155,7 +206,9 @@ def _write_latent_op(
     is_fp8 = kv_cache.dtype == _fp8.FP8_DTYPE
     has_scale = is_fp8 and kv_scale is not None
     scale = kv_scale if has_scale else c_kv
-    wrap_triton(write_latent_kernel)[(T,)](
+    _launch(
+        write_latent_kernel,
+        (T,),
         kv_cache.view(torch.uint8) if fp8_bits else kv_cache,
         c_kv,
         k_pe,
@@ -256,6 +309,138 @@ def _resolve_fp8_mode(mode: str | None, device: torch.device) -> str:
 # ----------------------------------------------------------------------------------------
 
 
+def attention_meta(
+    r: int,
+    rope: int,
+    q_dtype: torch.dtype,
+    cache: str,
+    block_q: int,
+    block_h: int,
+    block_n: int,
+    fp8_bits: bool,
+    interpreting: bool,
+    chunk: int = hx.LATENT_CHUNK,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fp8_f16: bool = False,
+) -> dict[str, object]:
+    """The compile-time half of an ``absorbed_attn_kernel`` launch: its constexprs and launch
+    options (``num_warps``, ...), from the shapes and knobs alone. The launch uses it, and so
+    does the ahead-of-time resource check (``python -m benchmarks gpu-resources``), so what is
+    checked is what runs.
+
+    Args:
+        r, rope: latent and rope widths; q_dtype: the queries' (compute) dtype.
+        cache: ``"plain"`` (bf16/fp16/fp32 rows, or e4m3 without a scale), ``"fp8"`` (e4m3
+            with a per-tensor ``kv_scale``) or ``"ds"`` (``fp8_ds_mla`` rows).
+        block_q, block_h, block_n: the tiles; fp8_bits: decode e4m3 bytes with integer ops.
+        interpreting: for the Triton interpreter (bf16 dots widened to fp32, bf16 rounding).
+        chunk: latent columns per chunk (:func:`heuristics.latent_chunks`).
+        num_warps / num_stages: launch options (None: :func:`heuristics.num_warps` / Triton's
+            default).
+        fp8_f16: e4m3 caches (``fp8``, ``ds``): the latent dots in fp16 (see :class:`Kernels`).
+    """
+    round_bf16 = interpreting and q_dtype == torch.bfloat16
+    dot_dtype = torch.float32 if round_bf16 else q_dtype  # see the module doc
+    block_r = hx.dim_block(r)
+    f16 = fp8_f16 and cache in ("fp8", "ds")
+    lat_dtype = torch.float16 if f16 else dot_dtype
+    return dict(
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_ROPE=hx.dim_block(rope),
+        HAS_ROPE=rope > 0,
+        HAS_SCALE=cache == "fp8",
+        FP8_BITS=fp8_bits,
+        DOT_DTYPE=_TL_DTYPE[dot_dtype],
+        P_DTYPE=_TL_DTYPE[q_dtype],
+        IEEE=dot_dtype == torch.float32,
+        ROUND_BF16=round_bf16,
+        DS=cache == "ds",
+        TILE=FP8_TILE,
+        ROPE_DTYPE=_TL_DTYPE[q_dtype],
+        NUM_CHUNKS=hx.latent_chunks(block_r, chunk, FP8_TILE if cache == "ds" else None),
+        LAT_DTYPE=_TL_DTYPE[lat_dtype],
+        LAT_P_DTYPE=_TL_DTYPE[torch.float16 if f16 else q_dtype],
+        LAT_IEEE=lat_dtype == torch.float32,
+        num_warps=num_warps or hx.num_warps(block_q * block_h, block_r),
+        **({} if num_stages is None else {"num_stages": num_stages}),
+    )
+
+
+def _launch_gluon_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    new_lens: torch.Tensor,
+    cu_new: torch.Tensor,
+    q_block_req: torch.Tensor,
+    q_block_start: torch.Tensor,
+    part_meta: torch.Tensor,
+    split_base: torch.Tensor,
+    o_lat: torch.Tensor,
+    lse: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    softmax_scale: float,
+    block_q: int,
+    block_h: int,
+    grid: tuple[int, int],
+) -> None:
+    """The Gluon kernel (:mod:`.jit.gluon_attention`) on a call it serves: TMA descriptors
+    over the queries as [T * H, r] / [T * H, rope] and the cache as [pages * 64, r + rope]."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .jit import gluon_attention as ga
+
+    T, H, r = q_lat.shape
+    dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q_lat.dtype]
+
+    def desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for(block, dt)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    q2 = q_lat.contiguous().view(T * H, r)
+    p2 = q_pe.contiguous().view(T * H, q_pe.shape[-1])
+    kv2 = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2])
+    _launch(
+        ga.absorbed_attn_gluon_kernel,
+        grid,
+        desc(q2, [ga.BLOCK_M.value, 256]),
+        desc(p2, [ga.BLOCK_M.value, ga.ROPE.value]),
+        desc(kv2, [ga.BLOCK_N.value, 256]),
+        desc(kv2, [ga.BLOCK_N.value, ga.ROPE.value]),
+        block_table,
+        prefix_lens,
+        new_lens,
+        cu_new,
+        q_block_req,
+        q_block_start,
+        part_meta,
+        split_base,
+        o_lat,
+        lse,
+        part_o,
+        part_lse,
+        H,
+        kv_cache.shape[1],
+        softmax_scale * _LOG2E,
+        block_table.stride(0),
+        o_lat.stride(0),
+        o_lat.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        num_warps=ga.NUM_WARPS,
+    )
+
+
 def _absorbed_attention_op(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -274,11 +459,17 @@ def _absorbed_attention_op(
     block_h: int,
     block_n: int,
     fp8_bits: bool,
+    chunk: int,
+    num_warps: int,
+    num_stages: int,
+    fp8_f16: bool,
+    gluon: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_backend::triton_absorbed_attention``: arguments already checked by
     :func:`absorbed_attention` (the plan part's int32 index tensors, its work partition
     ``block_q`` and schedule ``part_meta`` [num_parts, 5] / ``split_base`` [W + 1], q_lat /
-    q_pe last-dim contiguous, kv_scale a float32 scalar or None).
+    q_pe last-dim contiguous, kv_scale a float32 scalar or None; ``num_warps`` /
+    ``num_stages`` 0: the defaults).
     Returns (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32)."""
     T, H, r = q_lat.shape
     rope = q_pe.shape[-1]
@@ -298,81 +489,76 @@ def _absorbed_attention_op(
     if _skip_launch(q_lat):
         return o_lat, lse
     _check_runnable(device, absorbed_attn_kernel)
-
-    dot_dtype = cd
-    round_bf16 = hx.interpreting() and cd == torch.bfloat16
-    if round_bf16:
-        dot_dtype = torch.float32  # interpreter tl.dot cannot take bf16 (see module doc)
-    ds = kv_cache.dtype == torch.uint8  # fp8_ds_mla rows
-    has_scale = kv_scale is not None and not ds
-    scale = kv_scale if has_scale else lse
-    if ds:
-        layout = CacheLayout.ds_mla(r, rope, cd)
-        scale_offset, rope_offset = layout.scale_offset, layout.rope_offset
-        kv_arg = kv_cache if fp8_bits else kv_cache.view(_fp8.FP8_DTYPE)
-    else:
-        scale_offset = rope_offset = 0
-        kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
-    q_pe_arg = q_pe if rope else q_lat
+    round_bf16 = _interpreting() and cd == torch.bfloat16
     part_o_arg = part_o if max_splits else lse  # never written when nothing is split
     part_lse_arg = part_lse if max_splits else lse
-
-    wrap_triton(absorbed_attn_kernel)[(num_h_blocks, num_pieces)](
-        q_lat,
-        q_pe_arg,
-        kv_arg,
-        block_table,
-        prefix_lens,
-        new_lens,
-        cu_new,
-        q_block_req,
-        q_block_start,
-        part_meta,
-        split_base,
-        scale,
-        o_lat,
-        lse,
-        part_o_arg,
-        part_lse_arg,
-        H,
-        r,
-        rope,
-        kv_cache.shape[1],
-        scale_offset,
-        rope_offset,
-        softmax_scale * _LOG2E,
-        q_lat.stride(0),
-        q_lat.stride(1),
-        q_pe_arg.stride(0),
-        q_pe_arg.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        o_lat.stride(0),
-        o_lat.stride(1),
-        lse.stride(0),
-        lse.stride(1),
-        BLOCK_Q=block_q,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_R=block_r,
-        BLOCK_ROPE=hx.dim_block(rope),
-        HAS_ROPE=rope > 0,
-        HAS_SCALE=has_scale,
-        FP8_BITS=fp8_bits,
-        DOT_DTYPE=_TL_DTYPE[dot_dtype],
-        P_DTYPE=_TL_DTYPE[cd],
-        IEEE=dot_dtype == torch.float32,
-        ROUND_BF16=round_bf16,
-        DS=ds,
-        TILE=FP8_TILE,
-        NUM_TILES=max(block_r // FP8_TILE, 1),
-        ROPE_DTYPE=_TL_DTYPE[cd],
-        num_warps=hx.num_warps(block_q * block_h, block_r),
-    )
+    if gluon:
+        _launch_gluon_attention(
+            q_lat, q_pe, kv_cache, block_table, prefix_lens, new_lens, cu_new, q_block_req,
+            q_block_start, part_meta, split_base, o_lat, lse, part_o_arg, part_lse_arg,
+            softmax_scale, block_q, block_h, (num_h_blocks, num_pieces),
+        )
+    else:
+        ds = kv_cache.dtype == torch.uint8  # fp8_ds_mla rows
+        has_scale = kv_scale is not None and not ds
+        scale = kv_scale if has_scale else lse
+        if ds:
+            layout = CacheLayout.ds_mla(r, rope, cd)
+            scale_offset, rope_offset = layout.scale_offset, layout.rope_offset
+            kv_arg = kv_cache if fp8_bits else kv_cache.view(_fp8.FP8_DTYPE)
+        else:
+            scale_offset = rope_offset = 0
+            kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
+        meta = attention_meta(
+            r, rope, cd, "ds" if ds else ("fp8" if has_scale else "plain"), block_q, block_h,
+            block_n, fp8_bits, _interpreting(), chunk, num_warps or None, num_stages or None,
+            fp8_f16,
+        )
+        q_pe_arg = q_pe if rope else q_lat
+        _launch(
+            absorbed_attn_kernel,
+            (num_h_blocks, num_pieces),
+            q_lat,
+            q_pe_arg,
+            kv_arg,
+            block_table,
+            prefix_lens,
+            new_lens,
+            cu_new,
+            q_block_req,
+            q_block_start,
+            part_meta,
+            split_base,
+            scale,
+            o_lat,
+            lse,
+            part_o_arg,
+            part_lse_arg,
+            H,
+            r,
+            rope,
+            kv_cache.shape[1],
+            scale_offset,
+            rope_offset,
+            softmax_scale * _LOG2E,
+            q_lat.stride(0),
+            q_lat.stride(1),
+            q_pe_arg.stride(0),
+            q_pe_arg.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            block_table.stride(0),
+            o_lat.stride(0),
+            o_lat.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+            **meta,
+        )
     if max_splits:
         merge_block_h = min(hx.next_pow2(H), 16)
-        wrap_triton(merge_splits_kernel)[(num_q_blocks * block_q, triton.cdiv(H, merge_block_h))](
+        _launch(
+            merge_splits_kernel,
+            (num_q_blocks * block_q, triton.cdiv(H, merge_block_h)),
             q_block_req,
             q_block_start,
             new_lens,
@@ -409,6 +595,11 @@ def absorbed_attention(
     block_n: int | None = None,
     block_h: int | None = None,
     fp8_mode: str | None = None,
+    chunk: int = hx.LATENT_CHUNK,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fp8_f16: bool = False,
+    gluon: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention over the paged latent cache (decode and extend), through the
     custom op ``mla_backend::triton_absorbed_attention``.
@@ -430,6 +621,14 @@ def absorbed_attention(
             :func:`heuristics.attention_tiles` of the plan's ``block_q``).
         fp8_mode: ``"native"`` (Triton's e4m3 conversion) or ``"bits"`` (integer decode of
             the bytes); default: :func:`fp8_mode` of the device.
+        chunk: latent columns per chunk (a power of two >= 16; see
+            :func:`heuristics.latent_chunks`).
+        num_warps / num_stages: launch options (default :func:`heuristics.num_warps` /
+            Triton's).
+        fp8_f16: fp8 / ``fp8_ds_mla`` caches: the latent dots in fp16 (e4m3 -> fp16 is exact
+            and one conversion per two values; the queries must lie in fp16's range).
+        gluon: run the Gluon kernel (:mod:`.jit.gluon_attention`, Hopper) on a CUDA call it
+            serves (``gluon_attention.serves``); the Triton kernel otherwise.
     Returns:
         o_lat: [T, H, r] in q_lat's dtype; lse: [T, H] float32 (natural log).
     """
@@ -465,6 +664,9 @@ def absorbed_attention(
         block_n = hx.kv_block(hx.dim_block(r), block_q * block_h)
     if block_n < hx.MIN_DOT_DIM or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two >= {hx.MIN_DOT_DIM}")
+    hx.check_launch_knobs(chunk, num_warps, num_stages)
+    if kv_cache.dtype == torch.uint8:
+        hx.latent_chunks(hx.dim_block(r), chunk, FP8_TILE)  # raises for an unsupported r
     device = q_lat.device
     if T and H:
         _check_runnable(device, absorbed_attn_kernel)
@@ -498,7 +700,27 @@ def absorbed_attention(
         block_h,
         block_n,
         fp8_bits,
+        chunk,
+        num_warps or 0,
+        num_stages or 0,
+        fp8_f16,
+        gluon and _gluon_serves(q_lat, q_pe, kv_cache, block_q, block_h),
     )
+
+
+def _gluon_serves(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  block_q: int, block_h: int) -> bool:
+    """The Gluon kernel serves CUDA tensors (or recorded launches) of its shapes, on a cache
+    whose pages are one [pages * page_size, width] matrix (its TMA descriptor)."""
+    if (q_lat.device.type != "cuda" and not _RECORDING) or not kv_cache.is_contiguous():
+        return False
+    try:
+        from .jit import gluon_attention as ga
+    except ImportError:  # a Triton without Gluon (before 3.5): the Triton kernel serves
+        return False
+
+    return ga.serves(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], kv_cache.shape[1],
+                     q_lat.dtype, kv_cache.dtype, block_q, block_h)
 
 
 def _register_ops() -> None:

@@ -19,15 +19,24 @@ partial and its natural-log LSE (a block the schedule split). Causality: row ``(
 h)`` sees kv positions ``< prefix + j + 1``; a row that sees nothing in a piece writes output 0
 and LSE -inf. A decode is the ``BLOCK_Q = 1`` special case of the same code.
 
+The latent is processed in ``NUM_CHUNKS`` (1, 2 or 4) column chunks of ``BLOCK_R / NUM_CHUNKS``
+(128 by default: :data:`heuristics.LATENT_CHUNK`): the scores are ``q_pe·k_peᵀ`` plus the sum of
+the chunks' partial dots ``q_c·kv_cᵀ`` (the query's chunk read inside the kv loop), and each
+chunk has its own ``P·kv_c`` accumulator [BLOCK_M, CHUNK]. Compiled for sm_90a, holding the
+whole [BLOCK_M, 512] query and [BLOCK_N, 512] tile in one dot spilled at the 255-register cap;
+the chunks do not (``python -m benchmarks gpu-resources``).
+
 ``merge_splits_kernel``: one program = one token of a query block x ``BLOCK_H`` heads; for a
 split block it combines the pieces' ``(o_s, lse_s)`` by ``o = sum_s exp(lse_s - lse) o_s`` with
 ``lse = logsumexp_s lse_s``; a block served whole is left as the attention kernel wrote it.
 
-``fp8_ds_mla`` caches (``DS``, uint8 rows, see :mod:`mla_backend.cache_layout`): the e4m3
-bytes of ``c_kv`` are decoded (natively or with integer ops), multiplied in fp32 by their
-tile's float32 scale (loaded per row from ``scale_offset``), and rounded once to the dot dtype;
+``fp8_ds_mla`` caches (``DS``, uint8 rows, see :mod:`mla_backend.cache_layout`): a chunk lies
+in one scale tile (chunks of at most 128 columns), so its e4m3 codes enter the dots unscaled
+(exact in bf16 / fp16) and the tile's float32 scale (loaded per kv row from ``scale_offset``)
+multiplies the chunk's partial scores and, before the chunk's ``P·V``, the probabilities;
 ``k_pe`` is loaded as ``ROPE_DTYPE`` from ``rope_offset``. Masked (unwritten) rows are never
-loaded, so their NaN bytes are never read.
+loaded, so their NaN bytes are never read. ``LAT_DTYPE`` fp16 (``Kernels(fp8_f16=True)``): the
+e4m3 latent dots in fp16 (one conversion per two values instead of bf16's three per value).
 
 fp8 e4m3 caches: rows are converted to the dot dtype unscaled (exact for e4m3 -> bf16/fp16)
 and the per-tensor scale is applied once to the scores and once to the output. Where Triton
@@ -82,6 +91,74 @@ def _e4m3_bits_to_f32(b):
 
 
 @triton.jit
+def _kv_chunk(rows, n_ok, offs_c, r_dim, FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Columns ``offs_c`` of the kv rows at ``rows`` ([BLOCK_N] pointers; masked rows are not
+    read) in ``DOT_DTYPE``: [BLOCK_N, CHUNK], the chunk's keys and values."""
+    ptrs = rows[:, None] + offs_c[None, :]
+    mask = n_ok[:, None] & (offs_c < r_dim)[None, :]
+    if FP8_BITS:
+        kv = _e4m3_bits_to_f32(tl.load(ptrs, mask=mask, other=0))
+    else:
+        kv = tl.load(ptrs, mask=mask, other=0.0)
+    return kv.to(DOT_DTYPE)
+
+
+@triton.jit
+def _q_chunk(q_rows, row_ok, offs_c, r_dim, DOT_DTYPE: tl.constexpr):
+    """Columns ``offs_c`` of the query rows at ``q_rows`` ([BLOCK_M] pointers): [BLOCK_M, CHUNK]."""
+    mask = row_ok[:, None] & (offs_c < r_dim)[None, :]
+    return tl.load(q_rows[:, None] + offs_c[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
+def _chunk_scores(q_rows, row_ok, rows, n_ok, c: tl.constexpr, r_dim, sc_row,
+                  CHUNK: tl.constexpr, TILE: tl.constexpr, FP8_BITS: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, DS: tl.constexpr):
+    """Chunk ``c`` of the latent: (its partial scores q_c · kv_c^T [BLOCK_M, BLOCK_N] (times
+    the chunk's ``fp8_ds_mla`` tile scale per kv row when DS), kv_c [BLOCK_N, CHUNK], that scale
+    [BLOCK_N] (ones when not DS))."""
+    offs_c = c * CHUNK + tl.arange(0, CHUNK)
+    kv_c = _kv_chunk(rows, n_ok, offs_c, r_dim, FP8_BITS, DOT_DTYPE)
+    s_c = _dot(_q_chunk(q_rows, row_ok, offs_c, r_dim, DOT_DTYPE), tl.trans(kv_c), IEEE)
+    if DS:
+        # the chunk lies in one scale tile: its float32 scale per kv row, applied to the
+        # partial scores here and to the probabilities before this chunk's P·V
+        sc = tl.load(sc_row + (c * CHUNK) // TILE, mask=n_ok, other=0.0)
+        s_c = s_c * sc[None, :]
+    else:
+        sc = tl.full([kv_c.shape[0]], 1.0, tl.float32)
+    return s_c, kv_c, sc
+
+
+@triton.jit
+def _chunk_pv(acc_c, alpha, p, sc, kv_c, P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              IEEE: tl.constexpr, ROUND_BF16: tl.constexpr, DS: tl.constexpr):
+    """One chunk's P·V step: acc_c * alpha + round(p [x tile scale]) · kv_c."""
+    if DS:
+        p = p * sc[None, :]
+    if ROUND_BF16:
+        if P_DTYPE == tl.bfloat16:
+            p = _round_to_bf16_grid(p)
+    return acc_c * alpha[:, None] + _dot(p.to(P_DTYPE).to(DOT_DTYPE), kv_c, IEEE)
+
+
+@triton.jit
+def _store_chunk(o_c, c: tl.constexpr, CHUNK: tl.constexpr, out_ptr, out_rows, whole,
+                 part_o_ptr, prow, split, r_dim, ROUND_BF16: tl.constexpr):
+    """Chunk ``c`` of the normalized output: the final one (a block served whole) in the
+    output's dtype, or the fp32 partial (a split block)."""
+    offs_c = c * CHUNK + tl.arange(0, CHUNK)
+    c_ok = (offs_c < r_dim)[None, :]
+    o_fin = o_c
+    if ROUND_BF16:
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            o_fin = _round_to_bf16_grid(o_c)
+    tl.store(out_rows[:, None] + offs_c[None, :], o_fin.to(out_ptr.dtype.element_ty),
+             mask=whole[:, None] & c_ok)
+    tl.store(part_o_ptr + prow[:, None] * r_dim + offs_c[None, :], o_c, mask=split[:, None] & c_ok)
+
+
+@triton.jit
 def absorbed_attn_kernel(
     q_lat_ptr,  # [T, H, r]
     q_pe_ptr,  # [T, H, rope] (unused when not HAS_ROPE)
@@ -131,10 +208,14 @@ def absorbed_attn_kernel(
     ROUND_BF16: tl.constexpr,  # interpreter, bf16: round p (and a bf16 output) to nearest even
     DS: tl.constexpr = False,  # fp8_ds_mla rows (bytes): e4m3 tiles x float32 scales, k_pe
     TILE: tl.constexpr = 128,  # DS: c_kv values per scale
-    NUM_TILES: tl.constexpr = 1,  # DS: max(BLOCK_R // TILE, 1)
     ROPE_DTYPE: tl.constexpr = tl.float32,  # DS: dtype of the stored k_pe
+    NUM_CHUNKS: tl.constexpr = 1,  # the latent in 1, 2 or 4 column chunks of BLOCK_R / NUM_CHUNKS
+    LAT_DTYPE: tl.constexpr = None,  # the latent dots' operands (DOT_DTYPE, or fp16 for e4m3)
+    LAT_P_DTYPE: tl.constexpr = None,  # probabilities before the latent P·V (P_DTYPE or fp16)
+    LAT_IEEE: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    CHUNK: tl.constexpr = BLOCK_R // NUM_CHUNKS
     # Head blocks vary fastest in launch order, so the programs that read the same latent rows
     # (all head blocks of one piece) run together and share them through L2.
     pid_h = tl.program_id(0)
@@ -151,8 +232,6 @@ def absorbed_attn_kernel(
     head = pid_h * BLOCK_H + offs_m % BLOCK_H
     head_ok = head < num_heads
     head64 = head.to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < r_dim
     offs_p = tl.arange(0, BLOCK_ROPE)
     p_ok = offs_p < rope_dim
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -181,11 +260,9 @@ def absorbed_attn_kernel(
         n_split = tl.load(split_base_ptr + w + 1) - g_base
         g = tl.where(w == w_first, g_first, g_base).to(tl.int64)
 
-        q_lat = tl.load(
-            q_lat_ptr + tok[:, None] * stride_qlt + head64[:, None] * stride_qlh + offs_r[None, :],
-            mask=row_ok[:, None] & r_ok[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
+        # the query's latent is read per chunk inside the kv loop (from L1/L2): holding all
+        # of it in registers next to the accumulators is what made the kernel spill
+        q_rows = q_lat_ptr + tok * stride_qlt + head64 * stride_qlh
         if HAS_ROPE:
             q_pe = tl.load(
                 q_pe_ptr
@@ -198,33 +275,32 @@ def absorbed_attn_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
+        if NUM_CHUNKS > 1:
+            acc1 = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
+        if NUM_CHUNKS > 2:
+            acc2 = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
+            acc3 = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_btb
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + offs_n0
             n_ok = offs_n < end
             page = tl.load(bt_row + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
             rows = kv_ptr + page * stride_kvp + (offs_n % page_size).to(tl.int64) * stride_kvs
-            kv_ptrs = rows[:, None] + offs_r[None, :]
-            kv_mask = n_ok[:, None] & r_ok[None, :]
-            if FP8_BITS:
-                kv = _e4m3_bits_to_f32(tl.load(kv_ptrs, mask=kv_mask, other=0))
-            else:
-                kv = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-            if DS:
-                # each value times its own tile's float32 scale, in registers (fp32, exact as
-                # the torch reader's product), then rounded once to the dot dtype; one load
-                # per (row, tile), broadcast over the tile's values
-                sc_row = (rows + scale_offset).to(tl.pointer_type(tl.float32))
-                offs_t = tl.arange(0, NUM_TILES)
-                sc_mask = n_ok[:, None] & (offs_t * TILE < r_dim)[None, :]
-                sc = tl.load(sc_row[:, None] + offs_t[None, :], mask=sc_mask, other=0.0)
-                kv = tl.reshape(kv.to(tl.float32), [BLOCK_N, NUM_TILES, BLOCK_R // NUM_TILES])
-                kv = tl.reshape(kv * sc[:, :, None], [BLOCK_N, BLOCK_R])
-                if ROUND_BF16:
-                    kv = _round_to_bf16_grid(kv)
-            kv = kv.to(DOT_DTYPE)  # [BLOCK_N, BLOCK_R]: key (nope part) and value
-            s = _dot(q_lat, tl.trans(kv), IEEE)
+            sc_row = (rows + scale_offset).to(tl.pointer_type(tl.float32))  # DS tile scales
+            # scores = q_pe · k_pe^T + the sum over chunks of q_c · kv_c^T
+            s, kv0, sc0 = _chunk_scores(q_rows, row_ok, rows, n_ok, 0, r_dim, sc_row, CHUNK,
+                                        TILE, FP8_BITS, LAT_DTYPE, LAT_IEEE, DS)
+            if NUM_CHUNKS > 1:
+                s1, kv1, sc1 = _chunk_scores(q_rows, row_ok, rows, n_ok, 1, r_dim, sc_row,
+                                             CHUNK, TILE, FP8_BITS, LAT_DTYPE, LAT_IEEE, DS)
+                s += s1
+            if NUM_CHUNKS > 2:
+                s2, kv2, sc2 = _chunk_scores(q_rows, row_ok, rows, n_ok, 2, r_dim, sc_row,
+                                             CHUNK, TILE, FP8_BITS, LAT_DTYPE, LAT_IEEE, DS)
+                s3, kv3, sc3 = _chunk_scores(q_rows, row_ok, rows, n_ok, 3, r_dim, sc_row,
+                                             CHUNK, TILE, FP8_BITS, LAT_DTYPE, LAT_IEEE, DS)
+                s += s2 + s3
             if HAS_ROPE:
                 pe_ptrs = rows[:, None] + r_dim + offs_p[None, :]
                 pe_mask = n_ok[:, None] & p_ok[None, :]
@@ -235,8 +311,7 @@ def absorbed_attn_kernel(
                     k_pe = _e4m3_bits_to_f32(tl.load(pe_ptrs, mask=pe_mask, other=0))
                 else:
                     k_pe = tl.load(pe_ptrs, mask=pe_mask, other=0.0)
-                k_pe = k_pe.to(DOT_DTYPE)
-                s += _dot(q_pe, tl.trans(k_pe), IEEE)
+                s += _dot(q_pe, tl.trans(k_pe.to(DOT_DTYPE)), IEEE)
             s = (s * qk_scale).to(tl.float32)  # fp32 even if the scale comes in as fp64
             visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -245,36 +320,41 @@ def absorbed_attn_kernel(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)  # fp32 row sums of the unrounded probabilities
-            if ROUND_BF16:
-                p = _round_to_bf16_grid(p)
-            acc = acc * alpha[:, None] + _dot(p.to(P_DTYPE).to(DOT_DTYPE), kv, IEEE)
+            acc0 = _chunk_pv(acc0, alpha, p, sc0, kv0, LAT_P_DTYPE, LAT_DTYPE, LAT_IEEE,
+                             ROUND_BF16, DS)
+            if NUM_CHUNKS > 1:
+                acc1 = _chunk_pv(acc1, alpha, p, sc1, kv1, LAT_P_DTYPE, LAT_DTYPE,
+                                 LAT_IEEE, ROUND_BF16, DS)
+            if NUM_CHUNKS > 2:
+                acc2 = _chunk_pv(acc2, alpha, p, sc2, kv2, LAT_P_DTYPE, LAT_DTYPE,
+                                 LAT_IEEE, ROUND_BF16, DS)
+                acc3 = _chunk_pv(acc3, alpha, p, sc3, kv3, LAT_P_DTYPE, LAT_DTYPE,
+                                 LAT_IEEE, ROUND_BF16, DS)
             m_i = m_new
 
-        if HAS_SCALE:
-            acc = acc * kv_scale
         has_mass = l_i > 0.0
         l_safe = tl.where(has_mass, l_i, 1.0)
-        o = acc / l_safe[:, None]
+        inv = 1.0 / l_safe
+        if HAS_SCALE:
+            inv = inv * kv_scale
         lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         # a block served whole by this piece: its final output; a split one: an fp32 partial
         nsp = tl.zeros([BLOCK_M], dtype=tl.int32) + n_split  # as a row vector: mask dtype
         whole = row_ok & (nsp == 0)  # a block served whole has no partial slots
         split = row_ok & (nsp > 0)
-        o_fin = o
-        if ROUND_BF16:
-            if out_ptr.dtype.element_ty == tl.bfloat16:
-                o_fin = _round_to_bf16_grid(o)
-        tl.store(
-            out_ptr + tok[:, None] * stride_ot + head64[:, None] * stride_oh + offs_r[None, :],
-            o_fin.to(out_ptr.dtype.element_ty),
-            mask=whole[:, None] & r_ok[None, :],
-        )
-        tl.store(lse_ptr + tok * stride_lt + head64 * stride_lh, lse, mask=whole)
+        out_rows = out_ptr + tok * stride_ot + head64 * stride_oh
         prow = (g * BLOCK_Q + jq) * num_heads + head64  # [BLOCK_M] row of the partials
-        tl.store(
-            part_o_ptr + prow[:, None] * r_dim + offs_r[None, :], o,
-            mask=split[:, None] & r_ok[None, :],
-        )
+        _store_chunk(acc0 * inv[:, None], 0, CHUNK, out_ptr, out_rows, whole, part_o_ptr,
+                     prow, split, r_dim, ROUND_BF16)
+        if NUM_CHUNKS > 1:
+            _store_chunk(acc1 * inv[:, None], 1, CHUNK, out_ptr, out_rows, whole,
+                         part_o_ptr, prow, split, r_dim, ROUND_BF16)
+        if NUM_CHUNKS > 2:
+            _store_chunk(acc2 * inv[:, None], 2, CHUNK, out_ptr, out_rows, whole,
+                         part_o_ptr, prow, split, r_dim, ROUND_BF16)
+            _store_chunk(acc3 * inv[:, None], 3, CHUNK, out_ptr, out_rows, whole,
+                         part_o_ptr, prow, split, r_dim, ROUND_BF16)
+        tl.store(lse_ptr + tok * stride_lt + head64 * stride_lh, lse, mask=whole)
         tl.store(part_lse_ptr + prow, lse, mask=split)
 
 

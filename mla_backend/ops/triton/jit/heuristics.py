@@ -12,7 +12,10 @@ The grid is ``num_head_blocks x num_parts``; the plan cuts every query block's k
 ``num_parts`` pieces of equal cost (:mod:`mla_backend.ops.triton.schedule`), so long requests
 get more splits than short ones and every program about the same work:
 
-    num_parts = ceil(PROGRAMS_PER_SM * sms / num_head_blocks)
+    num_parts = ceil(ctas_per_sm * sms / num_head_blocks)
+
+(one wave of the programs resident per SM: :func:`ctas_per_sm` of the launch config, which the
+ahead-of-time resource check pins to the compiled kernel's residency).
 
 Each query block costs ``OVERHEAD_KV_ROWS`` kv rows extra (loading Q, writing a partial, the
 merge); a piece is never shorter than ``MIN_KV_ROWS_PER_PART`` (fewer splits for small batches).
@@ -33,12 +36,21 @@ PROGRAMS_PER_SM = 2
 OVERHEAD_KV_ROWS = 256
 #: A piece of the schedule covers at least this many kv rows' worth of work.
 MIN_KV_ROWS_PER_PART = 256
+#: Registers of one multiprocessor, and one thread's allocation at the 255-register cap.
+REGS_PER_SM = 65536
+MAX_REGS_PER_THREAD_ALLOC = 256
 #: Multiprocessor count assumed where the device has none to report (CPU, interpreter).
 CPU_FALLBACK_SM_COUNT = 4
 #: Smallest tile edge: ``tl.dot`` requires M, N, K >= 16 on NVIDIA/AMD GPUs.
 MIN_DOT_DIM = 16
 #: Query rows (tokens x heads) per program: 64, the M of Hopper's wgmma (FlashMLA's block).
 ROWS_PER_PROGRAM = 64
+#: Latent columns per chunk of the absorbed kernel: 128, the ``fp8_ds_mla`` scale tile. The
+#: kernel computes the scores as a sum of per-chunk dots and keeps one P·V accumulator per
+#: chunk (the ahead-of-time check showed the unchunked [rows, 512] dots spilling).
+LATENT_CHUNK = 128
+#: The kernel holds at most this many chunk accumulators.
+MAX_CHUNKS = 4
 
 
 def interpreting() -> bool:
@@ -70,36 +82,85 @@ def sm_count(device: torch.device) -> int:
     return CPU_FALLBACK_SM_COUNT
 
 
-def num_parts(num_head_blocks: int, sms: int) -> int:
-    """Pieces of the plan's schedule (programs along the grid's split axis).
+def num_parts(num_head_blocks: int, sms: int, ctas: int = PROGRAMS_PER_SM) -> int:
+    """Pieces of the plan's schedule (programs along the grid's split axis): one wave of
+    ``ctas`` programs per multiprocessor.
 
     Args:
         num_head_blocks: programs along the head axis (>= 1).
         sms: multiprocessors of the device (see :func:`sm_count`).
+        ctas: programs resident per multiprocessor (see :func:`ctas_per_sm`).
     """
-    return max(1, -(-PROGRAMS_PER_SM * sms // max(num_head_blocks, 1)))
+    return max(1, -(-ctas * sms // max(num_head_blocks, 1)))
+
+
+def ctas_per_sm(block_m: int, block_n: int, num_warps: int) -> int:
+    """Programs of the attention kernel resident on one multiprocessor (NVIDIA: 64K registers,
+    228 KB of shared memory). The kernel's 512-wide configs are register-bound at (or near)
+    the 255-register cap, so the registers of ``num_warps`` warps at the cap decide: 2 at
+    4 warps, 1 at 8 (FlashMLA's one CTA per SM at 64 rows). ``python -m benchmarks
+    gpu-resources`` measures the real residency; its test pins this estimate to it for the
+    default configs."""
+    return max(1, REGS_PER_SM // (MAX_REGS_PER_THREAD_ALLOC * 32 * num_warps))
 
 
 def attention_tiles(
-    num_heads: int, max_new_len: int, rows: int = ROWS_PER_PROGRAM
+    num_heads: int, max_new_len: int, rows: int = ROWS_PER_PROGRAM, pad: bool = False
 ) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_H): new tokens and heads per program, with BLOCK_Q * BLOCK_H >= 16.
 
     Heads come first (they share every KV load: MLA is MQA); spare rows (of ``rows``, a power
     of two) go to more new tokens of the same request so an extend re-reads the KV less often.
+    ``pad``: the heads are padded so that every program has ``rows`` rows (masked ones
+    included: Hopper's wgmma needs 64).
     """
     h = next_pow2(num_heads)
     block_q = min(next_pow2(max_new_len), max(1, rows // h))
     block_h = max(min(h, rows), MIN_DOT_DIM // block_q)
+    if pad:
+        block_h = max(block_h, rows // block_q)
     return block_q, block_h
 
 
-def kv_block(block_r: int, block_m: int) -> int:
+def kv_block(block_r: int, block_m: int, fp8: bool = False) -> int:
     """KV rows per inner-loop step: 64 (FlashMLA's tile) unless a wide latent and a full
-    64-row query block would not fit (then 32)."""
-    return 32 if block_r >= 256 and block_m >= ROWS_PER_PROGRAM else 64
+    64-row query block would not fit, or an fp8 tile's widened chunks would spill in the kv
+    loop (the ahead-of-time check, sm_90a): then 32. The plan's schedule cuts at multiples
+    of the bf16 tile (64 rows), which the fp8 launches' 32 divides."""
+    if block_r >= 256 and (block_m >= ROWS_PER_PROGRAM or fp8):
+        return 32
+    return 64
 
 
 def num_warps(block_m: int, block_r: int) -> int:
     """Warps per program: 8 for a [64, 512] fp32 accumulator (two warpgroups), else 4."""
     return 8 if block_m * block_r >= 64 * 256 else 4
+
+
+def latent_chunks(block_r: int, chunk: int = LATENT_CHUNK, tile: int | None = None) -> int:
+    """Column chunks (1, 2 or 4) of a ``block_r``-wide latent of ``chunk`` columns each (wider
+    when more than :data:`MAX_CHUNKS` would be needed). ``tile``: the ``fp8_ds_mla`` scale
+    tile, which a chunk may not straddle (so at most ``MAX_CHUNKS * tile`` columns)."""
+    width = min(chunk, block_r)
+    if tile is not None:
+        width = min(width, tile)
+    n = block_r // width
+    if n > MAX_CHUNKS:
+        if tile is not None:
+            raise ValueError(
+                f"an fp8_ds_mla latent of {block_r} columns needs {n} chunks of at most {tile}; "
+                f"the Triton kernel holds at most {MAX_CHUNKS} (kv_lora_rank <= "
+                f"{MAX_CHUNKS * tile})"
+            )
+        n = MAX_CHUNKS
+    return n
+
+
+def check_launch_knobs(chunk: int, num_warps: int | None, num_stages: int | None) -> None:
+    """Raise ValueError naming the knob when a launch knob is out of its range."""
+    if chunk < MIN_DOT_DIM or chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk} must be a power of two >= {MIN_DOT_DIM}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16")
+    if num_stages is not None and not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages={num_stages} must be in 1..8")

@@ -1,0 +1,490 @@
+"""``python -m benchmarks gpu-resources``: the Triton absorbed-attention kernel compiled ahead of
+time for Hopper (``sm_90a``) and Blackwell (``sm_100a``) on a machine without a GPU, per launch
+configuration the seam can pick: registers, spill bytes, spills inside the kv loop, shared
+memory, MMA kind, kv-tile buffers, CTAs per SM.
+
+A configuration is (heads, new tokens per request, cache layout, ``Kernels`` knobs). Each is
+planned on CPU tensors of the real widths (r 512, rope 64, page 64) and called through
+:func:`mla_backend.ops.triton.ops.absorbed_attention` under
+:func:`~mla_backend.ops.triton.ops.record_launches`, so what is compiled is exactly what the call
+launches (its constexprs, ``num_warps``, ``num_stages``, and the argument specialization
+Triton's launcher derives: pointer dtypes, ints equal to 1 or divisible by 16). The launch is
+compiled with ``triton.compile`` for a ``GPUTarget``; ``ptxas -v`` (bundled with Triton) gives
+registers and spill bytes, ``cuobjdump -sass`` the kv loop: the innermost loop that holds an
+MMA, where a local-memory load or store (``LDL`` / ``STL``) is a spill on the hot path.
+
+    python -m benchmarks gpu-resources [--arch 90,100] [--heads 16,32,64,128] [--quick]
+        [--out benchmarks/results/gpu_resources-latest.md]
+
+Needs ``triton`` (3.6.0 is the GPU machine's version) and nothing else; every compile takes
+0.5-4 s on one CPU core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+R, ROPE, PAGE = 512, 64, 64
+CACHES = ("bf16", "fp16", "fp8", "fp8_ds_mla")
+#: Hopper's and Blackwell's shared memory per SM available to CTAs (bytes; 227 KB per CTA)
+SMEM_PER_SM = {90: 228 * 1024, 100: 228 * 1024}
+SMEM_PER_CTA = {90: 227 * 1024, 100: 227 * 1024}
+REGS_PER_SM = 65536
+MAX_CTAS_PER_SM = 32
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration: heads, new tokens per request, cache layout, ``Kernels``
+    knobs (as keyword arguments of :class:`mla_backend.ops.triton.Kernels`)."""
+
+    heads: int
+    q_len: int
+    cache: str
+    knobs: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def name(self) -> str:
+        knobs = "".join(f" {k}={v}" for k, v in self.knobs)
+        return f"{self.cache} h{self.heads} q{self.q_len}{knobs}"
+
+
+@dataclass
+class Result:
+    """What the compile of one configuration showed (``error`` set when it failed)."""
+
+    config: Config
+    arch: int
+    rows: int = 0
+    block_n: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+    regs: int = 0
+    spill_bytes: int = 0
+    spill_in_loop: int = 0
+    shared: int = 0
+    mma: str = ""
+    kv_buffers: int = 0
+    loop_instrs: int = 0
+    cvt_in_loop: int = 0
+    cp_async: int = 0
+    ctas_per_sm: int = 0
+    secs: float = 0.0
+    error: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits_shared(self) -> bool:
+        return not self.error and self.shared <= SMEM_PER_CTA[self.arch]
+
+
+def _tools() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def record(config: Config) -> tuple[object, object]:
+    """(attention launch, plan) of ``config``: planned and called on small CPU tensors of the
+    real widths, the launch recorded (not run)."""
+    import mla_backend as mb
+    from mla_backend.cache_layout import CacheLayout
+    from mla_backend.ops.triton import Kernels
+    from mla_backend.ops.triton import ops as tops
+
+    H, q_len = config.heads, config.q_len
+    kv_lens = [200, 130]  # 4 and 3 pages
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 0]], dtype=torch.int32)
+    phase = mb.Phase.DECODE if q_len == 1 else mb.Phase.TARGET_VERIFY
+    batch = mb.MLABatch.build([L - q_len for L in kv_lens], [q_len] * 2, table, PAGE, phase,
+                              block_table_host=table)
+    dims = mb.MLADims(H, R, 128, ROPE, R)
+    cd = torch.float16 if config.cache == "fp16" else torch.bfloat16
+    n_pages = 7
+    kv_scale = None
+    if config.cache == "fp8_ds_mla":
+        cache = torch.zeros(n_pages, PAGE, CacheLayout.ds_mla(R, ROPE, cd).width,
+                            dtype=torch.uint8)
+    elif config.cache == "fp8":
+        cache = torch.zeros(n_pages, PAGE, R + ROPE, dtype=mb.FP8_DTYPE)
+        kv_scale = torch.tensor(0.5)
+    else:
+        cache = torch.zeros(n_pages, PAGE, R + ROPE, dtype=cd)
+    plan = mb.plan(batch, dims, mb.Policy("absorb"), device=torch.device("cpu"),
+                   impl=Kernels(**dict(config.knobs)))
+    T = 2 * q_len
+    q_lat, q_pe = torch.zeros(T, H, R, dtype=cd), torch.zeros(T, H, ROPE, dtype=cd)
+    with tops.record_launches() as launches:
+        mb.absorbed_attention(q_lat, q_pe, cache, plan, 0.1, kv_scale)
+    attn = [x for x in launches if _fn(x.kernel).__name__.startswith("absorbed_attn")]
+    if len(attn) != 1:
+        raise RuntimeError(f"expected one absorbed attention launch, recorded {launches}")
+    return attn[0], plan
+
+
+def _fn(kernel: object) -> object:
+    return getattr(kernel, "fn", kernel)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_module(path: str) -> object:
+    """The kernels' module at ``path`` loaded afresh with the interpreter off, so every
+    ``@triton.jit`` function in it (the helpers a kernel calls too) compiles."""
+    with _no_interpreter():
+        spec = importlib.util.spec_from_file_location(f"_aot_{abs(hash(path))}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _no_interpreter() -> Iterator[None]:
+    """``TRITON_INTERPRET`` off (Triton reads it when decorating and when compiling)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def compiled(kernel: object) -> object:
+    """``kernel`` as a compilable ``JITFunction`` (under ``TRITON_INTERPRET=1`` the package's
+    kernels are the interpreter's wrappers)."""
+    import triton
+
+    if isinstance(kernel, triton.runtime.jit.JITFunction):
+        return kernel
+    fn = _fn(kernel)
+    path = sys.modules[fn.__module__].__file__
+    return getattr(_compiled_module(path), fn.__name__)
+
+
+def source(launch: object) -> tuple[object, dict[str, int]]:
+    """(``triton.compiler.ASTSource``, launch options) of a recorded launch, specialized as
+    Triton's launcher specializes its arguments."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    fn = compiled(launch.kernel)
+    options = {k: v for k, v in launch.kwargs.items() if k in ("num_warps", "num_stages")}
+    constexprs = {k: v for k, v in launch.kwargs.items() if k not in options}
+    sig, consts, attrs = {}, {}, {}
+    positional = dict(zip(fn.arg_names, launch.args))
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs or name not in positional:
+            value = constexprs.get(name, fn.params[i].default)
+            sig[name], consts[name] = "constexpr", value
+            continue
+        value = positional[name]
+        if hasattr(value, "block_shape"):  # a TMA descriptor
+            ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        elif isinstance(value, torch.Tensor):
+            ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+            spec = "D"  # device allocations are 16-byte aligned (CPU ones need not be)
+        elif isinstance(value, float):
+            ty, spec = "fp32", ""
+        else:
+            ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if ty == "constexpr":
+            consts[name] = value
+        if spec == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        sig[name] = ty
+    make = triton.compiler.ASTSource
+    if _is_gluon(fn):
+        from triton.experimental.gluon._runtime import GluonASTSource as make
+    return make(fn=fn, signature=sig, constexprs=consts, attrs=attrs), options
+
+
+def _is_gluon(fn: object) -> bool:
+    return type(fn).__name__.startswith("Gluon")
+
+
+@contextlib.contextmanager
+def _ptxas_log() -> Iterator[io.StringIO]:
+    """Triton compiles (never reads its cache) and prints ``ptxas -v`` to stdout while this is
+    active."""
+    from triton import knobs
+
+    buf = io.StringIO()
+    old = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+    knobs.nvidia.dump_ptxas_log = knobs.compilation.always_compile = True
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield buf
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = old
+
+
+def kv_loop(sass: str) -> list[str]:
+    """The instructions of the innermost loop of ``sass`` (``cuobjdump -sass`` text) that holds
+    an MMA (``HMMA`` / ``HGMMA`` / ``UTCHMMA``...): the kv loop of an attention kernel."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    with_mma = [
+        (a, b) for a, b in loops if any(a <= x <= b and "MMA" in t for x, t in ins)
+    ]
+    if not with_mma:
+        return []
+    a, b = min(with_mma, key=lambda ab: ab[1] - ab[0])
+    return [t for x, t in ins if a <= x <= b]
+
+
+def _mma_kind(ttgir: str) -> str:
+    if "tc_gen5_mma" in ttgir or "tcgen05" in ttgir:
+        return "tcgen05"
+    if "ttng.warp_group_dot" in ttgir:
+        return "wgmma"
+    if "tt.dot" in ttgir:
+        return "mma.sync"
+    return "none"
+
+
+def _kv_buffers(ttgir: str, block_n: int) -> int:
+    """Buffers of the kv tile in shared memory: the leading dim of a 3-D ``local_alloc`` whose
+    tile has ``block_n`` rows (a pipelined load), else 1 if a 2-D one exists, else 0."""
+    best = 0
+    alloc = r"ttg\.local_alloc[^\n]*?->\s*!ttg\.memdesc<([0-9x]+)x(?:f|bf|i|u)"
+    for m in re.finditer(alloc, ttgir):
+        dims = [int(x) for x in m.group(1).split("x")]
+        if len(dims) == 3 and block_n in dims[1:]:
+            best = max(best, dims[0])
+        elif len(dims) == 2 and block_n in dims:
+            best = max(best, 1)
+    return best
+
+
+def residency(regs: int, threads: int, shared: int, arch: int) -> int:
+    """CTAs of one kernel resident per SM: limited by registers (allocated per warp in units
+    of 256), shared memory (+1 KB reserved per CTA) and the 32-CTA cap."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = REGS_PER_SM // (per_warp * (threads // 32))
+    by_smem = SMEM_PER_SM[arch] // (shared + 1024) if shared else MAX_CTAS_PER_SM
+    return max(0, min(by_regs, by_smem, MAX_CTAS_PER_SM))
+
+
+def compile_config(config: Config, arch: int = 90) -> Result:
+    """Compile ``config`` for ``sm_{arch}a`` and read its resources (never raises: a failed
+    compile, e.g. shared memory over the limit, is the result's ``error``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    res = Result(config, arch)
+    t0 = time.time()
+    try:
+        launch, _ = record(config)
+        kw = launch.kwargs
+        res.rows = kw["BLOCK_Q"] * kw["BLOCK_H"]
+        res.block_n = kw.get("BLOCK_N", 64)  # the Gluon kernel: one 64-row page per tile
+        src, options = source(launch)
+        res.num_warps = options.get("num_warps", 4)
+        res.num_stages = options.get("num_stages", 3)
+        with _no_interpreter(), _ptxas_log() as log:
+            cc = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    except Exception as exc:  # report, keep going
+        res.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+        res.notes.append(str(exc))
+        res.secs = time.time() - t0
+        return res
+    text = log.getvalue()
+    m = re.search(r"Used (\d+) registers", text)
+    m2 = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if not m or not m2:
+        raise RuntimeError(f"no ptxas -v report in the compile's output: {text[-300:]!r}")
+    res.regs, res.spill_bytes = int(m.group(1)), int(m2.group(1))
+    res.shared = int(cc.metadata.shared)
+    ttgir = cc.asm["ttgir"]
+    res.mma = _mma_kind(ttgir)
+    res.kv_buffers = _kv_buffers(ttgir, res.block_n)
+    res.cp_async = len(re.findall(r"cp\.async\.(?:ca|cg)|cp\.async\.bulk", cc.asm["ptx"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cc.asm["cubin"])
+        sass = subprocess.run([os.path.join(_tools(), "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+    body = kv_loop(sass)
+    res.loop_instrs = len(body)
+    res.spill_in_loop = sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))
+    res.cvt_in_loop = sum(1 for t in body if re.search(r"\b(F2F|F2FP|I2F|F2I|HADD2\.F32)\b", t))
+    res.ctas_per_sm = residency(res.regs, 32 * res.num_warps, res.shared, arch)
+    res.secs = time.time() - t0
+    return res
+
+
+def default_configs(heads: list[int], q_lens: list[int], caches: list[str]) -> list[Config]:
+    """Every (heads, q_len, cache) with the default knobs: what the seam launches."""
+    return [Config(h, q, c) for c in caches for h in heads for q in q_lens]
+
+
+def knob_configs(heads: list[int]) -> list[Config]:
+    """The tile knobs' other values at decode: kv tile, rows per program, padded rows,
+    ``num_stages``, ``num_warps``, chunk width (bf16), the e4m3 caches' fp16 dots, and the
+    Gluon kernel (decode and 2-token verify)."""
+    out = []
+    for h in heads:
+        for bn in (16, 32, 64):
+            out.append(Config(h, 1, "bf16", (("block_n", bn),)))
+        for rows in (16, 32):
+            if rows < h:
+                out.append(Config(h, 1, "bf16", (("rows_per_program", rows),)))
+        if h < 64:
+            out.append(Config(h, 1, "bf16", (("pad_rows", True),)))
+        for st in (1, 2, 4):
+            out.append(Config(h, 1, "bf16", (("num_stages", st),)))
+        out.append(Config(h, 1, "bf16", (("num_warps", 4 if h >= 64 else 8),)))
+        for chunk in (64, 256, 512):
+            out.append(Config(h, 1, "bf16", (("chunk", chunk),)))
+        for cache in ("fp8", "fp8_ds_mla"):
+            out.append(Config(h, 1, cache, (("fp8_f16", True),)))
+        for q in (1, 2):
+            out.append(Config(h, q, "bf16", (("gluon", True),)))
+    return out
+
+
+HEADER = ("| config | arch | rows | BLOCK_N | warps | stages | MMA | regs | spill B | spill in kv "
+          "loop | smem KB | kv buffers | CTAs/SM | kv-loop instrs | cvt in loop | cp.async |")
+
+
+def row(r: Result) -> str:
+    if r.error:
+        return f"| {r.config.name} | sm_{r.arch}a | {r.rows} | {r.block_n} | {r.num_warps} | " \
+               f"{r.num_stages} | failed: {r.error} |" + " |" * 10
+    return (
+        f"| {r.config.name} | sm_{r.arch}a | {r.rows} | {r.block_n} | {r.num_warps} | "
+        f"{r.num_stages} | {r.mma} | {r.regs} | {r.spill_bytes} | "
+        f"{'**yes** (' + str(r.spill_in_loop) + ')' if r.spill_in_loop else 'no'} | "
+        f"{r.shared / 1024:.0f} | {r.kv_buffers} | {r.ctas_per_sm} | {r.loop_instrs} | "
+        f"{r.cvt_in_loop} | {r.cp_async} |"
+    )
+
+
+def _rows(text: str) -> dict[tuple[str, str], list[str]]:
+    """A table printed by this command, by (config, arch): its cells."""
+    out = {}
+    for line in text.splitlines():
+        cells = [x.strip() for x in line.split("|")[1:-1]]
+        if len(cells) >= 16 and cells[1].startswith("sm_"):
+            out[(cells[0], cells[1])] = cells
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def compile_isolated(configs: list[Config], arch: int = 90) -> list[Result]:
+    """:func:`compile_config` of each config in a fresh Python process without
+    ``TRITON_INTERPRET`` (a process that imported Triton with the interpreter on cannot compile:
+    Triton's own ``@jit`` library functions, ``tl.zeros`` ..., are then interpreted ones)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    payload = json.dumps([[c.heads, c.q_len, c.cache, [list(k) for k in c.knobs]]
+                          for c in configs])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "gpu-resources", "--arch", str(arch),
+         "--json", payload], cwd=root, env=env, capture_output=True, text=True,
+    )
+    found = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or len(found) != len(configs):
+        raise RuntimeError(f"gpu-resources subprocess failed ({proc.returncode}): "
+                           f"{proc.stderr[-2000:]}")
+    out = []
+    for c, d in zip(configs, found):
+        d.pop("config")
+        out.append(Result(c, **d))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks gpu-resources", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--arch", default="90,100", help="compute capabilities (90: sm_90a, 100)")
+    p.add_argument("--heads", default="16,32,64,128")
+    p.add_argument("--q-lens", default="1,2")
+    p.add_argument("--caches", default=",".join(CACHES))
+    p.add_argument("--quick", action="store_true", help="defaults only, no knob grid")
+    p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    p.add_argument("--before", default=None,
+                   help="a previous run's table (this command's stdout): a 'before' column")
+    p.add_argument("--json", default=None, help="JSON list of [heads, q_len, cache, knobs]: "
+                   "compile these for the first --arch and print one JSON result per line")
+    a = p.parse_args(argv)
+    try:
+        import triton
+    except ImportError:
+        print("benchmarks gpu-resources: needs triton (pip install triton==3.6.0)")
+        return 0
+    heads = [int(x) for x in a.heads.split(",")]
+    archs = [int(x) for x in a.arch.split(",")]
+    if a.json:
+        for h, q, cache, knobs in json.loads(a.json):
+            r = compile_config(Config(h, q, cache, tuple(tuple(k) for k in knobs)), archs[0])
+            print(json.dumps(dataclasses.asdict(r)), flush=True)
+        return 0
+    configs = default_configs(heads, [int(x) for x in a.q_lens.split(",")],
+                              a.caches.split(","))
+    if not a.quick:
+        configs += knob_configs(heads)
+    before = _rows(open(a.before).read()) if a.before else {}
+    header = HEADER + (" before: regs / spill B / spill in loop / smem KB / kv-loop instrs |"
+                       if before else "")
+    lines = [header, "|" + "---|" * (16 + bool(before))]
+    print(f"triton {triton.__version__}; r {R}, rope {ROPE}, page {PAGE}; {len(configs)} "
+          f"configs x archs {archs}", flush=True)
+    print(header, flush=True)
+    for arch in archs:
+        for c in configs:
+            line = row(compile_config(c, arch))
+            if before:
+                old = before.get(tuple(x.strip() for x in line.split("|")[1:3]))
+                line += (f" {old[7]} / {old[8]} / {old[9]} / {old[10]} / {old[13]} |" if old
+                         else " - |")
+            lines.append(line)
+            print(line, flush=True)
+    if a.out:
+        cpu = _cpu_name()
+        with open(a.out, "w") as f:
+            f.write(f"# The absorbed kernel compiled for {', '.join(f'sm_{x}a' for x in archs)}"
+                    f" on the CPU (python -m benchmarks gpu-resources)\n\n"
+                    f"{time.strftime('%Y-%m-%d %H:%MZ', time.gmtime())}; compiled on {cpu}; "
+                    f"triton {triton.__version__} (the GPU machine's); r {R}, rope {ROPE}, "
+                    f"page {PAGE}. No GPU ran: registers and spills from ptxas -v, the kv loop "
+                    f"from cuobjdump -sass, CTAs/SM from registers and shared memory.\n\n")
+            f.write("\n".join(lines) + "\n")
+    return 0

@@ -1,0 +1,79 @@
+"""The absorbed kernel's default launch configurations compiled ahead of time for Hopper
+(``sm_90a``) on the CPU (``benchmarks/gpu_resources.py``, no GPU needed): each compiles, fits
+the 227 KB of shared memory a CTA may use, and keeps local-memory traffic (spills) out of the kv
+loop; the 64-row configs get Hopper's wgmma. A small set here; ``python -m benchmarks
+gpu-resources`` prints the whole grid. Skipped on the GPU run (CPU work, no GPU time)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton_case import ON_GPU, load_benchmark  # noqa: E402
+
+from mla_backend.ops.triton.jit import heuristics as hx  # noqa: E402
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="ahead-of-time compile: CPU work")
+
+res = load_benchmark("gpu_resources")
+
+DEFAULTS = [
+    res.Config(16, 1, "bf16"),
+    res.Config(128, 1, "bf16"),
+    res.Config(16, 1, "fp8"),
+    res.Config(16, 1, "fp8_ds_mla"),
+    res.Config(128, 2, "fp8_ds_mla"),
+    # the Gluon kernel (opt-in): FlashMLA's 64 rows, two warpgroups, TMA double buffer
+    res.Config(16, 1, "bf16", (("gluon", True),)),
+    res.Config(128, 1, "bf16", (("gluon", True),)),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """The defaults compiled once, in one process without the interpreter."""
+    return {r.config: r for r in res.compile_isolated(DEFAULTS, 90)}
+
+
+@pytest.mark.parametrize("config", DEFAULTS, ids=lambda c: c.name)
+def test_default_config_compiles_for_sm90a_without_spills_in_the_kv_loop(
+    config, compiled
+) -> None:
+    r = compiled[config]
+    assert not r.error, r.notes
+    assert r.fits_shared, f"{r.shared} B of shared memory"
+    assert r.spill_in_loop == 0, f"{r.spill_in_loop} local loads/stores in the kv loop"
+    assert r.loop_instrs > 0 and r.ctas_per_sm >= 1
+    gluon = dict(config.knobs).get("gluon", False)
+    assert r.mma == ("wgmma" if r.rows >= 64 or gluon else "mma.sync")
+    if gluon:
+        assert r.kv_buffers == 2 and r.num_warps == 8 and r.block_n == 64
+        return
+    # the split count's residency estimate is the compiled kernel's
+    assert hx.ctas_per_sm(r.rows, r.block_n, r.num_warps) == r.ctas_per_sm
+
+
+def test_kv_loop_is_the_innermost_loop_with_an_mma() -> None:
+    sass = """
+        /*0000*/  MOV R1, c[0x0][0x28] ;
+        /*0010*/  LDG.E R2, [R4.64] ;
+        /*0020*/  HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0030*/  STL [R1], R8 ;
+        /*0040*/  @P0 BRA 0x10 ;
+        /*0050*/  LDL R3, [R1] ;
+        /*0060*/  @P1 BRA 0x0 ;
+        /*0070*/  EXIT ;
+    """
+    body = res.kv_loop(sass)
+    assert body == ["LDG.E R2, [R4.64]", "HMMA.16816.F32.BF16 R8, R12, R16, R8", "STL [R1], R8",
+                    "@P0 BRA 0x10"]
+    assert res.kv_loop(sass.replace("HMMA", "FFMA")) == []
+
+
+def test_residency() -> None:
+    # 255 registers x 128 threads: 2 CTAs by registers; 100 KB of shared memory: 2 by smem
+    assert res.residency(255, 128, 100 * 1024, 90) == 2
+    assert res.residency(168, 128, 30 * 1024, 90) == 3  # 168 -> 5376 per warp: 3 by registers
+    assert res.residency(255, 256, 150 * 1024, 90) == 1
+    assert res.residency(64, 128, 0, 90) == 8
