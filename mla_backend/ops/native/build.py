@@ -38,12 +38,17 @@ __all__ = ["HEAD_GEMM_COLS", "available", "op_namespace", "require", "unavailabl
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
 _HEADERS = (
-    "mla_cpu.h",
+    "isa.h",
     "vec.h",
     "gemm_core.h",
     "amx_tiles.h",
-    "attention_core.h",
+    "attention_params.h",
+    "rows.h",
+    "f32_attention.h",
+    "bf16_attention.h",
     "amx_attention.h",
+    "absorbed_attention.h",
+    "cache_writer.h",
 )
 _EXT_NAME = "mla_backend_native"
 
