@@ -1,5 +1,5 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, vllm, vllm-dcp, serve, sglang, gpu, gpu-resources, gpu-sweep, gpu-run,
+layer, policy, sparse, vllm, vllm-dcp, serve, sglang, gpu, gpu-resources, gpu-sweep, gpu-run,
 fp8-accuracy); each writes ``benchmarks/results/<name>-latest.md`` and appends to
 ``<name>-history.md``. ``plot`` redraws the roofline PNGs from ``decode-latest.md``."""
 
@@ -15,6 +15,7 @@ COMMANDS = {
     "gemm": ("gemm", "absorption GEMMs, MHA, decompression per native ISA level vs torch"),
     "layer": ("layer", "one MLA layer incl. both absorptions vs CPU_MLA / AMX_MLA op sequences"),
     "policy": ("policy", "does the cost policy pick the faster path (absorbed / normal)"),
+    "sparse": ("sparse", "DSA decode: indexer top-k + sparse attention vs dense absorbed"),
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),
     "vllm-dcp": ("vllm_dcp", "vLLM decode context parallel: KV per rank, decode, TP vs TP x DCP"),
     "serve": ("serve", "online serving through each engine's own bench client"),

@@ -7,8 +7,8 @@ wrapper cannot serve).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
-0. core types: dims, batch, fp8, merge, cache_layout, weights, parts (the seam's input
-   types), cost (the roofline and its profiles), config (the environment variables),
+0. core types: dims, batch, fp8, merge, cache_layout, index_cache, weights, parts (the seam's
+   input types), cost (the roofline and its profiles), config (the environment variables),
    decision (a choice and its reason);
 1. policy (asks the implementation for its cost profile, imports none);
 2. the device seam (``ops/__init__``, ``ops/base``: the base class; ``ops/registry``) and the
@@ -16,7 +16,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
 3. the implementations, sibling packages ``ops/torch``, ``ops/native``, ``ops/triton``,
    ``ops/flashinfer`` (and any new one under ``ops/``);
 4. selection (registers the implementations with lazy factories, resolves what runs) and plan;
-5. entry points: checks, normal, attention;
+5. entry points: checks, normal, attention, sparse;
 6. the package itself, ``__main__`` and ``testing/``.
 """
 
@@ -30,11 +30,11 @@ from import_graph import module_graph, source_files
 ROOT = Path(__file__).resolve().parents[1] / "mla_backend"
 
 CORE = (
-    "dims", "batch", "fp8", "merge", "cache_layout", "weights", "parts", "cost", "config",
-    "decision",
+    "dims", "batch", "fp8", "merge", "cache_layout", "index_cache", "weights", "parts", "cost",
+    "config", "decision",
 )
 SELECTION = ("selection", "plan")
-ENTRY = ("checks", "normal", "attention")
+ENTRY = ("checks", "normal", "attention", "sparse")
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: upward imports in files another branch owns, to drop when it lands (see the merge note)

@@ -5,7 +5,8 @@ its calls take (:mod:`.base`), the registry implementations are registered in
 kernels), :mod:`.triton` (GPU), :mod:`.flashinfer` (FlashInfer's MLA wrapper, composing
 Triton). Implementations share plain-torch helpers by composition, through the base class's
 defaults: :mod:`.paged` (page gathers, the normal path's dequantized cache reads), :mod:`.dense`
-(decompression), :mod:`.sdpa` (torch's fused MHA with LSE).
+(decompression), :mod:`.sdpa` (torch's fused MHA with LSE), :mod:`.indexer` / :mod:`.sparse`
+(DSA's lightning indexer and sparse attention).
 
 Which implementation runs on a device is decided once, above the implementations, by
 :func:`mla_backend.selection.resolve` (the registrations live there too).
@@ -16,7 +17,10 @@ Which implementation runs on a device is decided once, above the implementations
 
 from __future__ import annotations
 
-from .base import AbsorbedCall, KernelImpl, LatentWrite
+from .base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
 from .registry import IMPLS
 
-__all__ = ["IMPLS", "AbsorbedCall", "KernelImpl", "LatentWrite"]
+__all__ = [
+    "IMPLS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
+    "SparseCall",
+]  # fmt: skip

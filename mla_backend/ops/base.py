@@ -14,7 +14,9 @@ Defaults (plain PyTorch, shared by every implementation that has nothing better)
 absorption bmms (:func:`mla_backend.weights.absorb_q` / ``apply_W_UV``), the normal path's cache
 reads (:mod:`.paged`), decompression (:mod:`.dense`) and MHA (:mod:`.sdpa`), one query block
 per request and one split, no plan state, identity weight preparation, the generic CPU / GPU
-cost profile. ``write_latent`` and ``absorbed_attention`` have no default.
+cost profile; DeepSeek Sparse Attention's index-key write, indexer logits / top-k
+(:mod:`.indexer`) and sparse attention (:mod:`.sparse`) in plain torch. ``write_latent`` and
+``absorbed_attention`` have no default.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from ..cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ..decision import Decision
 from ..parts import PlanState, StepShape
 from ..weights import AbsorbWeights, absorb_q, apply_W_UV
-from . import dense, paged, sdpa
+from . import dense, indexer, paged, sdpa, sparse
 
 if TYPE_CHECKING:
     from ..cache_layout import CacheLayout
-    from ..parts import PlanPart
+    from ..index_cache import IndexCacheLayout
+    from ..parts import PlanPart, SparsePart
 
-__all__ = ["AbsorbedCall", "KernelImpl", "LatentWrite", "PlanState", "StepShape"]
+__all__ = [
+    "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite", "PlanState",
+    "SparseCall", "StepShape",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,63 @@ class AbsorbedCall:
             self.lse.copy_(lse)
             lse = self.lse
         return o, lse
+
+
+@dataclass(frozen=True)
+class IndexKeyWrite:
+    """One write of DSA indexer keys into the paged index cache.
+
+    Attributes:
+        index_cache: [num_pages, page_size, W] in ``layout`` (written in place).
+        layout: the cache's :class:`~mla_backend.index_cache.IndexCacheLayout`.
+        k_I: [T, Di] bf16/fp16/fp32 keys.
+        slot_mapping: [>= T] int32/int64 flat slot per token (< 0: padding, skipped).
+    """
+
+    index_cache: torch.Tensor
+    layout: IndexCacheLayout
+    k_I: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@dataclass(frozen=True)
+class IndexerCall:
+    """One lightning-indexer call: ``I[s, t] = sum_h weights[s, h] * relu(q_I[s, h] . k_I[t])``
+    over the positions each query token sees, then (``topk`` > 0) its causal top-k
+    (:mod:`mla_backend.ops.indexer` states the rule every implementation follows).
+
+    Attributes:
+        q_I: [T, Hi, Di] bf16/fp16/fp32/float8_e4m3fn; weights: [T, Hi] float32.
+        index_cache: the paged index cache in ``layout``, read through ``part``'s block table.
+        part: the step (host data, index tensors); sparse: its per-token DSA data.
+        topk: positions per token (0: the logits only).
+        out: optional output buffer ([T, topk] int32, or [T, sparse.max_kv_len] float32).
+    """
+
+    q_I: torch.Tensor
+    weights: torch.Tensor
+    index_cache: torch.Tensor
+    layout: IndexCacheLayout
+    part: PlanPart
+    sparse: SparsePart
+    topk: int = 0
+    out: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SparseCall:
+    """One sparse absorbed attention call: the attention of ``attn`` (queries, cache, part,
+    scale, output buffers) with each query token restricted to its own index list.
+
+    Attributes:
+        attn: the :class:`AbsorbedCall` it restricts (``attn.part`` is the step).
+        sparse: the step's per-token DSA data (each token's request).
+        indices: [T, k] int32/int64 logical positions of the token's request, -1 = none.
+    """
+
+    attn: AbsorbedCall
+    sparse: SparsePart
+    indices: torch.Tensor
 
 
 class KernelImpl:
@@ -178,3 +241,33 @@ class KernelImpl:
         """MHA of q [H, Lq, Dqk] over k [H, Lk, Dqk], v [H, Lk, Dv] (top-left causal when
         ``causal``) -> (o [H, Lq, Dv] in q's dtype, lse [H, Lq] float32)."""
         return sdpa.attention_with_lse(q, k, v, causal, scale)
+
+    # ---- per layer: DeepSeek Sparse Attention (DSA) ---------------------------------------
+    def write_index_keys(self, w: IndexKeyWrite) -> None:
+        """Write the indexer keys into the index cache, in place (see :class:`IndexKeyWrite`)."""
+        indexer.write_index_keys(w.index_cache, w.layout, w.k_I, w.slot_mapping)
+
+    def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
+        """float32 [T, call.sparse.max_kv_len]: the scores, -inf where a token does not see the
+        position (see :class:`IndexerCall`)."""
+        c = call
+        return indexer.indexer_logits(
+            c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse, c.out
+        )
+
+    def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
+        """[T, call.topk] int32: each token's best ``min(topk, visible)`` positions, ascending,
+        then -1 (see :class:`IndexerCall`)."""
+        c = call
+        return indexer.indexer_topk(
+            c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse, c.topk, c.out
+        )
+
+    def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_lat [T, H, r] in q's dtype, lse [T, H] float32), in ``call.attn.out`` /
+        ``call.attn.lse`` when given (see :class:`SparseCall`)."""
+        a = call.attn
+        return sparse.sparse_absorbed_attention(
+            a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part, call.sparse, call.indices,
+            a.softmax_scale, a.kv_scale, a.out, a.lse,
+        )  # fmt: skip

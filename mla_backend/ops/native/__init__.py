@@ -22,7 +22,9 @@
   permission), ``gemm_core.h`` (the torch-free GEMM engine); ``mla_cpu.cpp`` (the torch layer
   of the attention and writer: checks, the ``torch.library`` registration), ``head_gemm.cpp`` /
   ``mha_prefill.cpp`` / ``decompress.cpp`` (absorption GEMMs, normal-path MHA, its
-  decompression).
+  decompression), ``indexer.cpp`` (DSA's lightning indexer: its logits as a GEMM over
+  ``gemm_core.h``, the streaming top-k) and ``sparse_attention.cpp`` (DSA's sparse absorbed
+  attention over the engines above).
 
 Engines of the absorbed attention (:mod:`.engine` holds the one rule that picks them per level
 and CPU, ``MLA_BACKEND_NATIVE_ENGINE`` overrides it): the fp32 engine (any q / cache dtype;

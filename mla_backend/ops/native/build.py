@@ -15,8 +15,11 @@ The ops ``torch.ops.mla_backend_<level>.native_absorbed_attention`` / ``native_w
 ``native_head_gemm`` / ``native_head_gemm_out`` (``csrc/head_gemm.cpp``: the per-head absorption
 GEMMs), ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the normal path's MHA) and
 ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` / ``c_kv · W_UV``), the
-last three over the torch-free GEMM engine ``csrc/gemm_core.h``, have fake (meta)
-implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
+last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
+``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the same GEMM
+engine) and ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
+attention's engines) have fake (meta) implementations, so ``torch.compile`` /
+``FakeTensorMode`` treat them as opaque.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from .isa import arch_levels, level_flags, sve_vector_bits
 __all__ = ["HEAD_GEMM_COLS", "available", "op_namespace", "require", "unavailable_reason"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
+_SOURCES = (
+    "mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp", "indexer.cpp",
+    "sparse_attention.cpp",
+)  # fmt: skip
 _HEADERS = (
     "isa.h",
     "vec.h",
@@ -156,6 +162,21 @@ def _register_fakes(ns: str) -> None:
     def _(c_kv, k_pe, W_UK, W_UV):
         L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
         return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
+
+    @torch.library.register_fake(f"{ns}::native_indexer_topk")
+    def _(q_I, weights, index_cache, block_table, cu, kv_lens, quant_block_size, topk,
+          max_page_id, out):  # fmt: skip
+        return None
+
+    @torch.library.register_fake(f"{ns}::native_indexer_logits")
+    def _(q_I, weights, index_cache, block_table, cu, kv_lens, quant_block_size, width,
+          max_page_id):  # fmt: skip
+        return weights.new_empty((q_I.shape[0], width))
+
+    @torch.library.register_fake(f"{ns}::native_sparse_attention")
+    def _(q_lat, q_pe, kv_cache, block_table, cu, kv_lens, indices, token_req, softmax_scale,
+          kv_scale, max_page_id, engine, out, lse):  # fmt: skip
+        return None
 
     @torch.library.register_fake(f"{ns}::native_fp8_decode")
     def _(data, bf16):

@@ -4,7 +4,9 @@ use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
 :meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
 ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the base class's torch defaults);
-the normal path's cache reads from the base class (:mod:`mla_backend.ops.paged`)."""
+the normal path's cache reads from the base class (:mod:`mla_backend.ops.paged`); DSA's
+indexer (logits, top-k) and sparse attention from their C++ kernels, the index-key write from the
+base class's torch default."""
 
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ import torch
 
 from ...cost import DeviceProfile, stored_fit
 from ...decision import Decision
-from ..base import AbsorbedCall, KernelImpl, LatentWrite, StepShape
+from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
 from . import ops as native
 from .engine import select_engine
 from .isa import ISA_LEVELS, select_isa
 from .profile import profile_for, profile_key
 
 if TYPE_CHECKING:
+    from ...index_cache import IndexCacheLayout
     from ...weights import AbsorbWeights
 
 
@@ -213,3 +216,43 @@ class Kernels(KernelImpl):
             engine=self.engine,
         )
         return call.deliver(o, lse)
+
+    @staticmethod
+    def _native_index(layout: IndexCacheLayout) -> bool:
+        """Whether the native indexer takes this index cache (an fp8 cache's quant block
+        even, at most 64 scales per key, where a key has several)."""
+        if layout.kind != "fp8" or layout.scales_per_key == 1:
+            return True
+        return layout.quant_block_size % 2 == 0 and layout.scales_per_key <= 64
+
+    def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
+        c = call
+        if not self._native_index(c.layout):
+            return super().indexer_logits(c)
+        res = native.indexer_logits(
+            c.q_I, c.weights, c.index_cache, c.part.block_table, c.part.cu_new_t,
+            c.part.kv_lens_t, c.layout.quant_block_size, c.sparse.max_kv_len,
+            c.part.max_page_id, isa=self.level,
+        )  # fmt: skip
+        return res if c.out is None else c.out.copy_(res)
+
+    def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
+        c = call
+        if not self._native_index(c.layout):
+            return super().indexer_topk(c)
+        return native.indexer_topk(
+            c.q_I, c.weights, c.index_cache, c.part.block_table, c.part.cu_new_t,
+            c.part.kv_lens_t, c.layout.quant_block_size, c.topk, c.part.max_page_id, c.out,
+            isa=self.level,
+        )  # fmt: skip
+
+    def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
+        # page ids were bounds-checked at the entry point (part.max_page_id); the op checks
+        # every index against its request's kv length before reading the cache
+        a = call.attn
+        o, lse = native.sparse_attention(
+            a.q_lat, a.q_pe, a.kv_cache, a.part.block_table, a.part.cu_new_t, a.part.kv_lens_t,
+            call.indices, call.sparse.token_req_t, a.softmax_scale, a.kv_scale,
+            a.part.max_page_id, a.out, a.lse, isa=self.level, engine=self.engine,
+        )  # fmt: skip
+        return a.deliver(o, lse)
