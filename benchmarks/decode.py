@@ -22,14 +22,11 @@ from collections.abc import Callable
 import torch
 
 import mla_backend as mb
-from mla_backend.cache_layout import CacheLayout
 
 from . import harness, plot, roofline, vllm_ops
-from .problems import paged_latents
+from .problems import DS, ROPE, R, flops_bytes, paged_latents
 
-R, ROPE, PAGE = 512, 64, 16
-DS = CacheLayout.ds_mla(R, ROPE, torch.bfloat16)
-ROW_BYTES = {"bf16": (R + ROPE) * 2, "fp8": R + ROPE, "fp8_ds_mla": DS.bytes_per_token}
+PAGE = 16
 
 
 Cache = tuple[torch.Tensor, torch.Tensor | None]  # (cache, fp8 scale)
@@ -85,10 +82,6 @@ def run_shape(H: int, B: int, L: int, isas: list[str], kinds: list[str], ops: ob
     fns.update(roof.probes())
     times = harness.interleaved(fns, rounds, min_time, each_round=roof.sample)
     return {"times": times, "probes": roof.take(times)}
-
-
-def flops_bytes(H: int, B: int, L: int, kind: str) -> tuple[float, float]:
-    return 2.0 * H * L * (2 * R + ROPE) * B, float(B * L * ROW_BYTES[kind])
 
 
 def main(argv: list[str] | None = None) -> int:

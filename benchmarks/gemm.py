@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 
 import torch
+from mla_backend_integrations._testing.cpu_imitation import CAPS
 
 from mla_backend.ops import native
 from mla_backend.ops import torch as torch_ops
-from mla_backend.testing.cpu_imitation import CAPS
 
 from . import harness, roofline
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             notes += [
                 "head GEMM table: one process per level, torch's kernels capped at that level "
                 "(ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS, "
-                "`mla_backend/testing/cpu_imitation.CAPS`: at avx2 torch runs as on an "
+                "`integrations/_testing/cpu_imitation.CAPS`: at avx2 torch runs as on an "
                 "AVX2-only CPU); every call takes the next of 256 MiB of weight copies "
                 "(weights from memory, as in a model's decode); per-call time, best of "
                 f"{a.rounds} interleaved rounds; stream floor = packed weight bytes / the best "

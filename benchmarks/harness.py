@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from mla_backend_integrations._testing.engine_server import Server, free_port
 
 from mla_backend.testing import host
-from mla_backend.testing.engine_server import Server, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,6 +21,7 @@ from pathlib import Path
 from mla_backend.testing import host
 
 from . import harness
+from .problems import flops_bytes
 
 COLORS = {"ours": "tab:blue", "CPU_MLA": "tab:orange", "AMX_MLA": "tab:red", "torch": "tab:gray"}
 Points = dict[str, list[tuple[float, float]]]
@@ -123,8 +124,6 @@ def _cells(line: str) -> list[str]:
 def parse_decode(text: str) -> list[DecodeRun]:
     """Every run (section) of a ``decode-latest.md`` with a table; raises ValueError naming
     what is missing when a section's table lacks the H / batch / kv / peak / bw columns."""
-    from .decode import flops_bytes  # (decode imports this module)
-
     runs: list[DecodeRun] = []
     preamble: list[str] = []
     lines = text.splitlines()

@@ -7,7 +7,11 @@ paths, including the absorption bmms / the decompression) and report which one t
 The two paths are timed interleaved (``harness.interleaved``: best of ``--rounds`` rounds, each
 round times both), so a load change between them shows in both. ``--fit`` also searches a grid
 of profiles at the level's peak and bandwidth (:func:`fit_profile`) for the one that picks the
-measured shapes best, to refit the level's profile (``mla_backend/ops/native/profile.py``).
+measured shapes best and, where it picks them better than the current profile, stores it in the
+package's data file (``mla_backend/profiles.json``) under the name the running implementation
+reads (``native:<level>[:<engine>]``: ``mla_backend.ops.native.profile.profile_key`` of the
+resolved selection; ``cpu`` for the torch implementation) with the fit's CPU, date and score
+(:func:`store_if_better`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import argparse
 import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
 import mla_backend as mb
-from mla_backend.cost import DeviceProfile, absorbed_cost, normal_cost
-from mla_backend.selection import get_impl
+from mla_backend.cost import PROFILES_PATH, DeviceProfile, absorbed_cost, normal_cost, store_profile
+from mla_backend.ops.native.profile import profile_key
+from mla_backend.selection import resolve
 
 from . import harness
 from .harness import interleaved, write_result
@@ -31,7 +38,7 @@ from .problems import paged_latents, random_weights
 DT = torch.bfloat16
 CLOSE = 0.1  # a pick within 10% of the faster path counts as right (either is, within noise)
 
-#: the grid :func:`fit_profile` searches (the profile fields the fits in profile.py set)
+#: the grid :func:`fit_profile` searches (the profile fields a fit sets)
 FIT_GRID = {
     "absorbed_efficiency": (0.3, 0.5, 0.7, 1.0, 1.2, 1.5, 2.0, 2.5, 3.0),
     "attn_efficiency": (0.3, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5),
@@ -129,15 +136,40 @@ def main(argv: list[str] | None = None) -> int:
              f"policy agrees with the measurement in {agree}/{total} cases "
              "(a pick within 10% of the faster path counts as agreeing)"]  # fmt: skip
     if args.fit:
-        notes.append(_fit_note(measured))
+        shapes = (f"H {args.heads}, P {','.join(map(str, prefixes))}, N "
+                  f"{','.join(map(str, news))}, {args.rounds} interleaved rounds")  # fmt: skip
+        notes.append(_fit_note(measured, shapes))
     write_result("policy", "Cost policy vs measurement: absorbed or normal path", notes,
                  harness.table(header, rows))
     return 0
 
 
-def _fit_note(measured: Sequence[Measured]) -> str:
-    """The level's current profile and the best fit of :data:`FIT_GRID`, each with its score."""
-    current = get_impl(torch.device("cpu")).cost_profile(torch.device("cpu"))
+def store_if_better(
+    name: str,
+    current: DeviceProfile,
+    best: DeviceProfile,
+    measured: Sequence[Measured],
+    fit: Mapping[str, str],
+    path: Path = PROFILES_PATH,
+) -> str:
+    """Store ``best`` as profile ``name`` (with ``fit`` and the score) where it picks
+    ``measured`` better than ``current`` (more right picks, or as many with less regret);
+    returns the line that says what happened."""
+    (r0, g0), (r1, g1) = score(current, measured), score(best, measured)
+    if (r1, -g1) <= (r0, -g0):
+        return f"profile {name!r} kept: the best fit picks no better"
+    n = len(measured)
+    store_profile(name, best, {**fit, "score": f"{r1}/{n} right, summed regret {g1:.2f} (the "
+                               f"profile it replaces: {r0}/{n}, {g0:.2f})"}, path)  # fmt: skip
+    return f"best fit stored as {name!r} in {path.name}"
+
+
+def _fit_note(measured: Sequence[Measured], shapes: str) -> str:
+    """The level's current profile and the best fit of :data:`FIT_GRID`, each with its score;
+    the fit stored where it is better (:func:`store_if_better`)."""
+    cpu = torch.device("cpu")
+    sel = resolve(cpu)  # what runs here: the kernels, their ISA level and attention engine
+    current = sel.kernels.cost_profile(cpu)
     best = fit_profile(current, measured)
     lines = []
     for name, prof in (("current profile", current), ("best fit", best)):
@@ -146,5 +178,12 @@ def _fit_note(measured: Sequence[Measured]) -> str:
                      f"{prof.attn_efficiency}, normal_overhead {prof.normal_overhead * 1e3:g} ms "
                      f"(peak {prof.peak_flops / 1e12:g} TF/s): {right}/{len(measured)} right, "
                      f"summed regret {regret:.2f}")  # fmt: skip
+    native = sel.isa is not None and sel.attention_engine is not None
+    name = profile_key(sel.isa.value, sel.attention_engine.value) if native else "cpu"
+    stamp = harness.utc_stamp()
+    fit = {"cpu": harness.describe_host(), "date": stamp,
+           "shapes": f"{shapes}, load average {os.getloadavg()[0]:.1f}",
+           "run": f"benchmarks/results/policy-history.md, {stamp}"}  # fmt: skip
+    lines.append(store_if_better(name, current, best, measured, fit))
     print("\n".join(lines), flush=True)
     return "; ".join(lines)

@@ -1,10 +1,24 @@
-"""Random problems the operator benchmarks share: paged latent caches and absorption weights."""
+"""Random problems the operator benchmarks share: paged latent caches and absorption weights;
+and the decode problem's shape and cost (read by ``decode`` and ``plot``)."""
 
 from __future__ import annotations
 
 import torch
 
 import mla_backend as mb
+from mla_backend.cache_layout import CacheLayout
+
+#: the decode benchmark's latent (DeepSeek-V2/V3: kv_lora_rank 512, rope 64), its fp8_ds_mla
+#: layout and the bytes of one cached row per cache kind
+R, ROPE = 512, 64
+DS = CacheLayout.ds_mla(R, ROPE, torch.bfloat16)
+ROW_BYTES = {"bf16": (R + ROPE) * 2, "fp8": R + ROPE, "fp8_ds_mla": DS.bytes_per_token}
+
+
+def flops_bytes(H: int, B: int, L: int, kind: str) -> tuple[float, float]:
+    """FLOPs and cache bytes of one absorbed decode step: B requests of one query token over
+    L cached rows of cache kind ``kind`` (:data:`ROW_BYTES`), H heads."""
+    return 2.0 * H * L * (2 * R + ROPE) * B, float(B * L * ROW_BYTES[kind])
 
 
 def paged_latents(dims: mb.MLADims, kv_lens: list[int], page_size: int, dtype: torch.dtype,

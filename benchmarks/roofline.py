@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from mla_backend.testing.cpu_imitation import CAPS
+from mla_backend_integrations._testing.cpu_imitation import CAPS
 
 MICRO_SRC = Path(__file__).resolve().parent / "micro" / "dot_throughput.cpp"
 

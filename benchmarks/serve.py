@@ -64,16 +64,17 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from mla_backend.testing import host
-from mla_backend.testing.cpu_imitation import CAPS
-from mla_backend.testing.tiny_model import PRESETS, YARN_ROPE_SCALING, make_tiny_deepseek_v2
-from mla_backend.testing.vllm_backends import (
+from mla_backend_integrations._testing.cpu_imitation import CAPS
+from mla_backend_integrations._testing.vllm_backends import (
     FORCE_ENV,
     FORCED_NOTE,
     engine_env,
     selected_from_log,
     unavailable_reason,
 )
+
+from mla_backend.testing import host
+from mla_backend.testing.tiny_model import PRESETS, YARN_ROPE_SCALING, make_tiny_deepseek_v2
 
 from . import harness
 from .harness import ROOT, Server, free_port

@@ -34,8 +34,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mla_backend_integrations._testing.vllm_backends import failure_reason
+
 from mla_backend.testing.tiny_model import YARN_ROPE_SCALING, make_tiny_deepseek_v2
-from mla_backend.testing.vllm_backends import failure_reason
 
 from . import harness
 

@@ -2,9 +2,9 @@
 level this CPU runs, or ``--isas``) vs the in-tree CPU_MLA (every CPU) and AMX_MLA (where its
 kernels run) on the same model and workloads, interleaved (round r runs every engine once, in
 rotated order), one engine at a time, each in a fresh process
-(``mla_backend.testing.vllm_runner``). ``--imitate avx2`` runs every engine on an imitated
-AVX2-only CPU (``mla_backend.testing.cpu_imitation``: torch capped, vLLM's CPU checks answering
-as there, our kernels at avx2 unless ``--isas`` names lower levels).
+(``mla_backend_integrations._testing.vllm_runner``). ``--imitate avx2`` runs every engine on an
+imitated AVX2-only CPU (``mla_backend_integrations._testing.cpu_imitation``: torch capped, vLLM's
+CPU checks answering as there, our kernels at avx2 unless ``--isas`` names lower levels).
 
 Python equivalent of ``vllm bench latency`` (fixed batch, fixed input/output lengths, greedy,
 EOS ignored, best of N timed iterations after a warm-up). A backend that cannot run on this CPU
@@ -20,10 +20,16 @@ import statistics
 import time
 from typing import Any
 
-from mla_backend.testing import cpu_imitation
+from mla_backend_integrations._testing import cpu_imitation
+from mla_backend_integrations._testing.vllm_backends import FORCED_NOTE, unavailable_reason
+from mla_backend_integrations._testing.vllm_runner import (
+    EngineFailed,
+    RunSpec,
+    Workload,
+    run_backend,
+)
+
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
-from mla_backend.testing.vllm_backends import FORCED_NOTE, unavailable_reason
-from mla_backend.testing.vllm_runner import EngineFailed, RunSpec, Workload, run_backend
 
 from . import harness
 
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "vLLM kernel library it mapped)",
         "attention-weight bytes per layer beyond the checkpoint's kv_b_proj: computed from the "
         "model's dims and each backend's weight handling "
-        "(mla_backend/testing/vllm_runner.py, attn_weight_extra_bytes)",
+        "(integrations/_testing/vllm_runner.py, attn_weight_extra_bytes)",
     ]
     if any(x.get("amx_forced") for b in ran for x in results[b]):
         notes.append(FORCED_NOTE)

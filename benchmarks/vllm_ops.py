@@ -9,8 +9,8 @@ per step):
   ``[H, nope, r]``, ``W_UV`` = ``[r, H, v]`` transposed to ``[H, r, v]``: strided views of the
   checkpoint's ``kv_b_proj`` weight).
 * AMX_MLA (``amx_mla.py``; only where its kernels run, see
-  ``mla_backend.testing.vllm_backends.amx_mla_unavailable``): ``bmm_cpu`` over weights packed by
-  ``convert_weight_packed``, ``cpu_mla_decode`` / ``cpu_mla_extend``.
+  ``mla_backend_integrations._testing.vllm_backends.amx_mla_unavailable``): ``bmm_cpu`` over
+  weights packed by ``convert_weight_packed``, ``cpu_mla_decode`` / ``cpu_mla_extend``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from mla_backend_integrations._testing.vllm_backends import amx_mla_unavailable
 
 import mla_backend as mb
-from mla_backend.testing.vllm_backends import amx_mla_unavailable
 
 Fn = Callable[[], torch.Tensor]
 

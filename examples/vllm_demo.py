@@ -6,12 +6,12 @@ DeepSeek-V2-Lite attention dims: 16 heads, latent 512 + rope 64), runs each back
 fresh vLLM engine, and prints the generations, output tokens/s (best of ``--iters`` timed runs
 on new prompts: on a shared 2-core machine one run is noise), KV-cache bytes per token and
 the attention-weight bytes per layer each backend holds beyond the checkpoint's ``kv_b_proj``
-(computed, see ``mla_backend/testing/vllm_runner.py``), the backend vLLM really ran, and the CPU
+(computed, see ``integrations/_testing/vllm_runner.py``), the backend vLLM really ran, and the CPU
 and ISA level our native kernels run at. A backend that cannot run on this CPU (AMX_MLA's
 kernels need AVX-512 and AVX512-BF16) or whose engine fails is one row "not available on this
 CPU: <reason>"; the others are still printed. Exit status 0 unless MLA_ABSORB itself failed.
 ``--imitate avx2`` runs every engine on an imitated AVX2-only CPU
-(``mla_backend/testing/cpu_imitation.py``).
+(``integrations/_testing/cpu_imitation.py``).
 
     python examples/vllm_demo.py [--model-dir DIR] [--max-tokens 24] [--kv-cache-dtype fp8_ds_mla]
                                  [--iters 3] [--imitate avx2] [--profile-dir DIR]
@@ -23,11 +23,17 @@ import argparse
 import sys
 from typing import Any
 
-from mla_backend.testing import cpu_imitation
+from mla_backend_integrations._testing import cpu_imitation
+from mla_backend_integrations._testing.vllm_backends import FORCED_NOTE, unavailable_reason
+from mla_backend_integrations._testing.vllm_runner import (
+    EngineFailed,
+    RunSpec,
+    Workload,
+    run_backend,
+)
+
 from mla_backend.testing.host import describe
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2, synthetic_words
-from mla_backend.testing.vllm_backends import FORCED_NOTE, unavailable_reason
-from mla_backend.testing.vllm_runner import EngineFailed, RunSpec, Workload, run_backend
 
 BACKENDS = ("MLA_ABSORB", "AMX_MLA", "CPU_MLA")
 

@@ -1,6 +1,8 @@
 """The cost model's roofline: a device's :class:`DeviceProfile` and the per-request time of each
 path on it (:func:`absorbed_cost`, :func:`normal_cost`, and for DSA layers :func:`sparse_cost`:
-the lightning indexer plus the sparse attention), with the generic CPU and GPU profiles.
+the lightning indexer plus the sparse attention); the profiles as data
+(``mla_backend/profiles.json``: :func:`stored_profile`, :func:`store_profile`), among them the
+generic CPU and GPU profiles.
 
 Each kernel implementation carries its own profile (``Kernels.cost_profile(device)``, built from
 these types); the policy (:mod:`mla_backend.policy`) asks the plan's implementation for it.
@@ -8,7 +10,13 @@ these types); the policy (:mod:`mla_backend.policy`) asks the plan's implementat
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from .dims import MLADims
 from .index_cache import IndexerDims
@@ -36,23 +44,46 @@ class DeviceProfile:
     normal_overhead: float = 0.0
 
 
-# Measured on the project's CPU machines (2 threads, bf16 AMX; the efficiencies fitted to
-# benchmarks/mla_policy_bench.py, whose 36 extend shapes they all pick right).
-CPU_PROFILE = DeviceProfile(
-    peak_flops=0.6e12,
-    bandwidth=7.8e9,
-    absorbed_efficiency=0.7,
-    attn_efficiency=0.3,
-    cache_bytes=32 * 2**20,
-)
-# H800-class GPU (FlashMLA's published figures); unmeasured by us.
-GPU_PROFILE = DeviceProfile(
-    peak_flops=660e12,
-    bandwidth=3.0e12,
-    absorbed_efficiency=0.6,
-    attn_efficiency=0.6,
-    cache_bytes=32 * 2**20,
-)
+#: the profiles' data file: ``{"profiles": {name: {<DeviceProfile fields>, "fit": {...}}}}``,
+#: "fit" saying where the values come from (CPU or device, date, score, run); shipped with the
+#: package, written by ``python -m benchmarks policy --fit``
+PROFILES_PATH = Path(__file__).resolve().with_name("profiles.json")
+_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceProfile))
+
+
+@functools.cache
+def _stored(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())["profiles"]
+
+
+def stored_profile(name: str, path: Path = PROFILES_PATH) -> DeviceProfile:
+    """The profile ``name`` of the data file (``cpu``, ``gpu``, ``native:<level>``, ...); a
+    KeyError names the stored ones."""
+    profiles = _stored(path)
+    if name not in profiles:
+        raise KeyError(f"no cost profile {name!r} in {path}; stored: {sorted(profiles)}")
+    return DeviceProfile(**{k: profiles[name][k] for k in _FIELDS})
+
+
+def stored_fit(name: str, path: Path = PROFILES_PATH) -> dict[str, str]:
+    """Where profile ``name``'s values come from (its CPU or device, date, score, run)."""
+    return dict(_stored(path)[name].get("fit", {}))
+
+
+def store_profile(
+    name: str, profile: DeviceProfile, fit: Mapping[str, str], path: Path = PROFILES_PATH
+) -> None:
+    """Write ``profile`` as ``name`` into the data file with its ``fit`` (replacing that entry,
+    keeping the others); later :func:`stored_profile` calls read it."""
+    data = json.loads(path.read_text())
+    data["profiles"][name] = {**dataclasses.asdict(profile), "fit": dict(fit)}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    _stored.cache_clear()
+
+
+#: the torch and Triton implementations' profiles on a CPU and on a GPU
+CPU_PROFILE = stored_profile("cpu")
+GPU_PROFILE = stored_profile("gpu")
 
 
 def _phase(flops: float, nbytes: float, profile: DeviceProfile, efficiency: float = 1.0) -> float:

@@ -5,13 +5,23 @@ resolve to that folder's conftest instead."""
 
 from __future__ import annotations
 
+import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 import mla_backend.testing.reference  # noqa: F401  (mb.testing.reference in tests)
 from mla_backend.config import current
+
+if os.environ.get("MLA_TEST_INSTALLED") == "1":  # the nox sessions that test the built wheel
+    _here = Path(mla_backend.__file__).resolve()
+    if _here.is_relative_to(Path(__file__).resolve().parents[1] / "mla_backend"):
+        raise pytest.UsageError(
+            f"MLA_TEST_INSTALLED=1 but mla_backend is imported from the source tree ({_here}), "
+            "not the installed wheel: run pytest from a directory outside the repository"
+        )
 
 
 @pytest.fixture(autouse=True)

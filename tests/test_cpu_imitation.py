@@ -1,6 +1,6 @@
 """The imitated-CPU environment of the demo's and benchmarks' engine processes
-(``mla_backend.testing.cpu_imitation`` + ``imitate_shim``), the AMX_MLA refusal on an imitated
-CPU, and the failure reason of an engine whose worker died in C++ (the AVX2-imitation
+(``mla_backend_integrations._testing.cpu_imitation`` + ``imitate_shim``), the AMX_MLA refusal on
+an imitated CPU, and the failure reason of an engine whose worker died in C++ (the AVX2-imitation
 start-up failure: sgl-kernel's AMX GEMM throwing once oneDNN was capped, seen as "cancelled")."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import subprocess
 import sys
 
 import pytest
-
-from mla_backend.testing import cpu_imitation
-from mla_backend.testing.host import ISA_ENV
-from mla_backend.testing.vllm_backends import (
+from mla_backend_integrations._testing import cpu_imitation
+from mla_backend_integrations._testing.vllm_backends import (
     FORCE_ENV,
     engine_env,
     failure_reason,
     unavailable_reason,
 )
-from mla_backend.testing.vllm_runner import _process_tree
+from mla_backend_integrations._testing.vllm_runner import _process_tree
+
+from mla_backend.testing.host import ISA_ENV
 
 _PROBE = """
 import json, torch

@@ -1,9 +1,9 @@
 """The import graph of ``mla_backend/`` (every import statement, inside functions and
 ``TYPE_CHECKING`` blocks included, and every ``importlib.import_module`` / ``__import__`` of a
-literal module name, read with ``ast``): no cycle, no module importing one in a higher layer,
-and no kernel implementation importing another one except its declared fallback
-(:data:`FALLBACKS`: FlashInfer composes the Triton implementation for the cases its wrapper
-cannot serve).
+literal module name, read with ``ast`` by :mod:`import_graph`): no cycle, no module importing
+one in a higher layer, and no kernel implementation importing another one except its declared
+fallback (:data:`FALLBACKS`: FlashInfer composes the Triton implementation for the cases its
+wrapper cannot serve).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
@@ -22,10 +22,10 @@ Layers, lowest first (a module may import its own layer or lower ones):
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+from import_graph import module_graph, source_files
 
 ROOT = Path(__file__).resolve().parents[1] / "mla_backend"
 
@@ -39,69 +39,6 @@ ENTRY = ("checks", "normal", "attention", "sparse")
 FALLBACKS = {"flashinfer": "triton"}
 #: upward imports in files another branch owns, to drop when it lands (see the merge note)
 PENDING: set[tuple[str, str]] = set()
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _exists(module: str) -> bool:
-    rel = Path(*module.split("."))
-    return (ROOT.parent / rel).with_suffix(".py").is_file() or (
-        ROOT.parent / rel / "__init__.py"
-    ).is_file()
-
-
-def _literal_import(node: ast.Call) -> str | None:
-    """The module a call ``importlib.import_module("x", ...)`` / ``import_module("x")`` /
-    ``__import__("x")`` names, when it is a string literal (relative names resolved later)."""
-    f = node.func
-    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-    if name not in ("import_module", "__import__") or not node.args:
-        return None
-    arg = node.args[0]
-    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
-
-
-def _imports_of(source: str, name: str, is_package: bool) -> set[str]:
-    """The ``mla_backend`` modules that module ``name`` (its ``source``) imports (relative
-    imports resolved)."""
-    package = name if is_package else name.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(source, name)):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("mla_backend"))
-        elif isinstance(node, ast.Call):
-            target = _literal_import(node)
-            if target is not None and target.startswith("."):
-                level = len(target) - len(target.lstrip("."))
-                base = package.split(".")
-                rest = target.lstrip(".")
-                target = ".".join(base[: len(base) - level + 1] + ([rest] if rest else []))
-            if target is not None and target.startswith("mla_backend"):
-                out.add(target)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if not target.startswith("mla_backend"):
-                continue
-            for alias in node.names:  # `from pkg import submodule` imports the submodule
-                sub = f"{target}.{alias.name}"
-                out.add(sub if _exists(sub) else target)
-    out.discard(name)
-    return out
-
-
-def _imports(path: Path) -> set[str]:
-    """The ``mla_backend`` modules ``path`` imports."""
-    return _imports_of(path.read_text(), _module_name(path), path.name == "__init__.py")
 
 
 def layer(module: str) -> int:
@@ -135,7 +72,8 @@ def implementation(module: str) -> str | None:
 
 
 GRAPH = {
-    _module_name(p): _imports(p) for p in sorted(ROOT.rglob("*.py")) if "csrc" not in p.parts
+    m: {t for t in edges if t.split(".")[0] == "mla_backend"}
+    for m, edges in module_graph(p for p in source_files() if p.is_relative_to(ROOT)).items()
 }
 
 
@@ -146,22 +84,6 @@ def test_graph_is_read() -> None:
     assert "mla_backend.ops.native.ops" in GRAPH["mla_backend.ops.native.kernels"]
     # the registrations import each implementation inside its factory
     assert "mla_backend.ops.native" in GRAPH["mla_backend.selection"]
-
-
-def test_importlib_edges_are_read() -> None:
-    """``importlib.import_module`` / ``__import__`` of a literal name is an edge too (absolute
-    and relative), so a module cannot hide an upward import behind it."""
-    src = (
-        "import importlib\n"
-        "def f():\n"
-        "    importlib.import_module('mla_backend.plan')\n"
-        "    importlib.import_module('.native', 'x')\n"
-        "    __import__('mla_backend.attention')\n"
-        "    importlib.import_module('numpy')\n"
-    )
-    got = _imports_of(src, "mla_backend.ops.base", False)
-    assert got == {"mla_backend.plan", "mla_backend.ops.native", "mla_backend.attention"}
-    assert any(layer(m) > layer("mla_backend.ops.base") for m in got)
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH))

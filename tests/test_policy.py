@@ -93,7 +93,7 @@ def test_cost_crossover_is_monotone_and_near_the_notes(dims: mb.MLADims) -> None
 @pytest.mark.parametrize("dims", [DEEPSEEK, LITE], ids=["deepseek", "lite"])
 def test_native_profile_crossover(dims: mb.MLADims) -> None:
     """With the native kernels (bf16 MHA for the normal path): one switch per prefix length,
-    fresh prefills go normal from ~100-300 new tokens (benchmarks/mla_policy_bench.py measured
+    fresh prefills go normal from ~100-300 new tokens (python -m benchmarks policy measured
     the crossover at 128-192 for 16 and 128 heads), decodes and short extends stay absorbed."""
     fresh = switch_point(dims, 0, CPU_NATIVE_PROFILE)
     assert 96 <= fresh <= 320, fresh

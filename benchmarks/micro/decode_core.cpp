@@ -7,7 +7,7 @@
 //   g++ $FL -Imla_backend/ops/native/csrc -pthread benchmarks/micro/decode_core.cpp -o dc
 //   ./dc H B L [secs]
 #define MLA_CORE_ONLY 1
-#include "attention_core.h"
+#include "absorbed_attention.h"
 
 #include <algorithm>
 #include <cstdio>

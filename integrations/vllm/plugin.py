@@ -135,12 +135,14 @@ def validate_engine_config(vllm_config: Any) -> None:
             f"(index_topk={hf.index_topk})"
         )
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    from mla_backend_integrations.vllm.backend import SUPPORTED_KV_CACHE_DTYPES
+    # every cache layout of the core, as the backend's SUPPORTED_KV_CACHE_DTYPES (the backend
+    # imports this module: importing it here would be a cycle)
+    from mla_backend.cache_layout import ENGINE_NAMES
 
-    if cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+    if cache_dtype not in ENGINE_NAMES:
         raise ValueError(
             f"attention backend {BACKEND_NAME} does not support kv_cache_dtype={cache_dtype!r}; "
-            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+            f"supported: {', '.join(ENGINE_NAMES)}"
         )
     check_context_parallel(vllm_config)
 

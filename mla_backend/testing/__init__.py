@@ -11,11 +11,10 @@
   yarn) with the paper's absorbed and decompressed-cache (CD) variants.
 - :mod:`.host`: the CPU model, torch's capability and our native ISA levels (every demo and
   benchmark result names them).
-- :mod:`.vllm_backends`, :mod:`.vllm_runner` (+ ``amx_shim/``): which vLLM CPU MLA backends run
-  on this CPU, and one backend's engine run in a fresh process (the demo and ``benchmarks``).
-- :mod:`.cpu_imitation` (+ ``imitate_shim/``): engine processes on an imitated CPU with fewer
-  instructions (an AVX2-only one on an AVX-512/AMX host): torch capped, vLLM's CPU checks shimmed.
-- :mod:`.engine_server`: an engine's server process, started and always stopped.
+
+Nothing here imports or drives an engine (``tests/test_repo_imports.py`` checks): the scaffolding
+that does (vLLM runs, CPU imitation, engine servers) is ``mla_backend_integrations._testing``
+(``integrations/_testing/``).
 """
 
 from . import cases, reference

@@ -29,8 +29,9 @@
 //               (load_bf16_n(p, 0) included)
 // Buffers are allocated at exactly their size, so a read outside one is a sanitizer report.
 #define MLA_CORE_ONLY 1
-#include "attention_core.h"
-// (after attention_core.h: their file-local names must not be visible to its definitions)
+#include "absorbed_attention.h"
+#include "cache_writer.h"
+// (after the attention cores: their file-local names must not be visible to its definitions)
 #include "decompress.cpp"
 #include "head_gemm.cpp"
 #include "indexer.cpp"

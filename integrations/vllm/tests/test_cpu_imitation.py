@@ -1,7 +1,8 @@
-"""vLLM on an imitated AVX2-only CPU (``mla_backend.testing.cpu_imitation``), without an engine:
-its CPU platform loads ``_C_AVX2`` and its linear-layer dispatch keeps away from sgl-kernel's
-AMX ``weight_packed_linear``, whose brgemm throws inside an OpenMP region once oneDNN is capped
-at AVX2 (the worker dies in ``std::terminate`` and the engine start-up fails "cancelled")."""
+"""vLLM on an imitated AVX2-only CPU (``mla_backend_integrations._testing.cpu_imitation``),
+without an engine: its CPU platform loads ``_C_AVX2`` and its linear-layer dispatch keeps away
+from sgl-kernel's AMX ``weight_packed_linear``, whose brgemm throws inside an OpenMP region once
+oneDNN is capped at AVX2 (the worker dies in ``std::terminate`` and the engine start-up fails
+"cancelled")."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ import subprocess
 import sys
 
 import torch
-
-from mla_backend.testing import cpu_imitation
+from mla_backend_integrations._testing import cpu_imitation
 
 _PROBE = """
 import json, torch
 from vllm.platforms import current_platform
 current_platform.import_kernels()
 from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
-from mla_backend.testing.vllm_runner import loaded_vllm_kernels
+from mla_backend_integrations._testing.vllm_runner import loaded_vllm_kernels
 print(json.dumps({"sgl": check_cpu_sgl_kernel(576, 256, torch.bfloat16),
                   "kernels": loaded_vllm_kernels(),
                   "capability": str(torch.backends.cpu.get_cpu_capability())}))

@@ -13,13 +13,18 @@
 - :mod:`.engine`: which compute engine runs the absorbed attention, per level and CPU;
 - ``csrc/``: the C++ sources: ``vec.h`` (the vector layer: fp32 vectors of the level's width,
   AVX-512 / AVX2 + FMA + F16C / SVE / NEON / portable, with bf16 / fp16 / e4m3 widening
-  loads and narrowing stores), ``attention_core.h`` (the torch-free attention and cache-row
-  cores over raw pointers, threads through a callback), ``amx_attention.h`` (its AMX-BF16
-  engine), ``amx_tiles.h`` (AMX tile configuration and OS permission), ``mla_cpu.cpp`` (the
-  torch layer: checks, the ``torch.library`` registration), ``head_gemm.cpp`` /
-  ``mha_prefill.cpp`` (absorption GEMMs, normal-path MHA), ``indexer.cpp`` (DSA's lightning
-  indexer: its logits as a GEMM over ``gemm_core.h``, the streaming top-k) and
-  ``sparse_attention.cpp`` (DSA's sparse absorbed attention over the engines above).
+  loads and narrowing stores), ``isa.h`` (the level's macros, AVX-512 exp and e4m3 decode);
+  the torch-free attention cores over raw pointers (threads through a callback):
+  ``attention_params.h`` (the call's parameters and their check, scratch), ``rows.h`` (fp32 <->
+  storage dtype rows), one header per engine (``f32_attention.h``, ``bf16_attention.h``,
+  ``amx_attention.h``), ``absorbed_attention.h`` (work items, their run, the split merge),
+  ``cache_writer.h`` (the cache-row writer); ``amx_tiles.h`` (AMX tile configuration and OS
+  permission), ``gemm_core.h`` (the torch-free GEMM engine); ``mla_cpu.cpp`` (the torch layer
+  of the attention and writer: checks, the ``torch.library`` registration), ``head_gemm.cpp`` /
+  ``mha_prefill.cpp`` / ``decompress.cpp`` (absorption GEMMs, normal-path MHA, its
+  decompression), ``indexer.cpp`` (DSA's lightning indexer: its logits as a GEMM over
+  ``gemm_core.h``, the streaming top-k) and ``sparse_attention.cpp`` (DSA's sparse absorbed
+  attention over the engines above).
 
 Engines of the absorbed attention (:mod:`.engine` holds the one rule that picks them per level
 and CPU, ``MLA_BACKEND_NATIVE_ENGINE`` overrides it): the fp32 engine (any q / cache dtype;

@@ -44,12 +44,17 @@ _SOURCES = (
     "sparse_attention.cpp",
 )  # fmt: skip
 _HEADERS = (
-    "mla_cpu.h",
+    "isa.h",
     "vec.h",
     "gemm_core.h",
     "amx_tiles.h",
-    "attention_core.h",
+    "attention_params.h",
+    "rows.h",
+    "f32_attention.h",
+    "bf16_attention.h",
     "amx_attention.h",
+    "absorbed_attention.h",
+    "cache_writer.h",
 )
 _EXT_NAME = "mla_backend_native"
 

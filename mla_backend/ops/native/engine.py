@@ -1,6 +1,6 @@
 """The one rule that picks the compute engine of the native absorbed attention, per ISA level and
-CPU (the op's ``engine`` argument; the engines are in ``csrc/attention_core.h`` and
-``csrc/amx_attention.h``).
+CPU (the op's ``engine`` argument; the engines are in ``csrc/f32_attention.h``,
+``csrc/bf16_attention.h`` and ``csrc/amx_attention.h``).
 
 Engines (names, and the op's bit set):
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...cost import DeviceProfile
+from ...cost import DeviceProfile, stored_fit
 from ...decision import Decision
 from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
 from . import ops as native
 from .engine import select_engine
 from .isa import ISA_LEVELS, select_isa
-from .profile import profile_for
+from .profile import profile_for, profile_key
 
 if TYPE_CHECKING:
     from ...index_cache import IndexCacheLayout
@@ -111,9 +111,12 @@ class Kernels(KernelImpl):
                 else f"level {level.value}: torch's bf16 GEMM has no AMX tiles to beat ours"
             )
             gemm = Decision("ours at every size (bf16)", why)
+        key = profile_key(level.value, engine.value)
+        fit = stored_fit(key)
         profile = Decision(
-            f"native/{level.value}+{engine.value}",
-            "fitted by python -m benchmarks policy --fit (mla_backend/ops/native/profile.py)",
+            key,
+            f"mla_backend/profiles.json: fitted on {fit.get('cpu', fit.get('device', '?'))}, "
+            f"{fit.get('date', '?')} ({fit.get('score', 'no score')})",
         )
         return {
             "isa": level,

@@ -1,7 +1,7 @@
 // amx_attention.h: the AMX-BF16 engine of the absorbed attention (level amx; q bf16, cache bf16
-// or per-tensor fp8). Included by attention_core.h after its vector engines (it uses Params,
-// tl_scratch, pack_v_pairs and Bf16Engine<kFp8>::decode from there); attention_core.h's
-// absorbed_attention gives it the work items of >= kAmxMinRows query rows.
+// or per-tensor fp8), and whether it can run here (amx_available). It shares pack_v_pairs,
+// ColSoftmax and Bf16Engine<kFp8>::decode with the AVX512-BF16 engine (bf16_attention.h);
+// absorbed_attention.h gives it the work items of >= kAmxMinRows query rows.
 //
 // The absorbed attention is MQA over the latent: per item, R query rows (heads x new tokens of
 // one request, up to kAmxRows) against kv tiles of kAmxTileN latent rows [c_kv ; k_pe] (D =
@@ -23,7 +23,13 @@
 // rounded to bf16: the same numerics as the AVX512-BF16 engine.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
 #include "amx_tiles.h"
+#include "attention_params.h"
+#include "bf16_attention.h"
 
 namespace mla_native {
 namespace core {
@@ -294,6 +300,15 @@ struct AmxEngine {
 };
 
 #endif  // MLA_HAS_AMX
+
+// Whether the AMX engine can run here: compiled in (level amx) and tiles granted by the OS.
+inline bool amx_available() {
+#ifdef MLA_HAS_AMX
+  return mla_amx::amx_request_permission();
+#else
+  return false;
+#endif
+}
 
 }  // namespace core
 }  // namespace mla_native

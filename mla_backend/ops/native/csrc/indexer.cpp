@@ -36,7 +36,8 @@
 #include <string>
 #include <vector>
 
-#include "attention_core.h"
+#include "attention_params.h"
+#include "rows.h"
 #include "gemm_core.h"
 
 namespace mla_native {

@@ -37,7 +37,8 @@
 // reference dequantization). No dequantized copy of the cache is made.
 //
 // This file is the torch layer: argument checks, Params from the tensors, the torch.library
-// registration under MLA_OPS_NS; the math is in attention_core.h (torch-free).
+// registration under MLA_OPS_NS; the math is in absorbed_attention.h and cache_writer.h
+// (torch-free).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,7 +46,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "attention_core.h"
+#include "absorbed_attention.h"
+#include "cache_writer.h"
 
 namespace mla_native {
 using namespace core;

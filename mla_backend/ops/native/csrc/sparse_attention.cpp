@@ -8,7 +8,7 @@
 // Organisation: work items are (query token, block of heads, split of its index list); an item
 // compacts the valid entries of its slice into byte offsets of cache rows (page lookups through
 // the block table) and streams them, in tiles, through the dense absorbed attention's engines
-// (attention_core.h: the fp32 engine at every level, the AVX512-BF16 and AMX engines where the
+// (absorbed_attention.h: the fp32 engine at every level, the AVX512-BF16 and AMX engines where the
 // build and the call allow them, chosen by the same `engine` bits), which take a tile as a list
 // of row offsets: the same inner math (scores, online softmax, P.V) as the dense path, with no
 // causal mask (every selected row is visible). Splits are merged through their LSE as the dense
@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "attention_core.h"
+#include "absorbed_attention.h"
 
 namespace mla_native {
 namespace core {

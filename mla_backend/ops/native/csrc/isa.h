@@ -1,5 +1,6 @@
-// Small SIMD helpers shared by the native MLA CPU kernels (mla_cpu.cpp, head_gemm.cpp,
-// mha_prefill.cpp), and the ISA level's macros.
+// isa.h: the ISA level a build of the attention cores is for, and the level's helpers every
+// attention core includes: the level macros checked against the compiler's flags, MLA_OPS_NS,
+// the AVX-512 exp and the e4m3 -> bf16 decode of 32 bytes.
 //
 // build.py compiles every source once per ISA level with explicit flags and the macros
 // MLA_ISA_<LEVEL> (exactly one of SCALAR / AVX2 / AVX512 / AVX512BF16 / AMX), the cumulative

@@ -3,7 +3,7 @@
 vLLM 0.32 picks AMX_MLA only where ``torch.cpu._is_amx_tile_supported()``; elsewhere a request
 for AMX_MLA silently runs CPU_MLA. On such a CPU (with AVX-512 and AVX512-BF16, which AMX_MLA's
 kernels need) this shim, on ``PYTHONPATH`` of the demo's and benchmarks' engine processes only
-when ``MLA_BENCH_FORCE_AMX_MLA=1`` (``mla_backend/testing/vllm_backends.py``), answers True to
+when ``MLA_BENCH_FORCE_AMX_MLA=1`` (``integrations/_testing/vllm_backends.py``), answers True to
 the CPU platform's backend selection and config checks only (``vllm/platforms/cpu.py``), so
 AMX_MLA's own code runs (its kernels take their AVX-512 paths) while every other caller (the
 linear layers' kernel dispatch, for one) still sees the CPU as it is: the rest of the model runs

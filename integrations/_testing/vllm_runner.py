@@ -3,10 +3,11 @@ KV-cache bytes per token and attention-weight bytes per layer beyond the checkpo
 by the demo (``examples/vllm_demo.py``) and the engine benchmark (``python -m benchmarks vllm``).
 
 Every timed iteration uses prompts no earlier run has seen (no prefix-cache hits). Each
-backend runs in its own fresh process (``python -m mla_backend.testing.vllm_runner``, the spec
-as JSON on stdin) so only one engine is alive at a time and every backend starts from the same
-state. The child prints one JSON line prefixed with ``RESULT:``; an engine that fails to start
-or run raises :class:`EngineFailed` with the reason from its log.
+backend runs in its own fresh process (``python -m
+mla_backend_integrations._testing.vllm_runner``, the spec as JSON on stdin) so only one engine is
+alive at a time and every backend starts from the same state. The child prints one JSON line
+prefixed with ``RESULT:``; an engine that fails to start or run raises :class:`EngineFailed`
+with the reason from its log.
 
 ``RunSpec.profile_dir`` adds one generate per workload under vLLM's torch profiler
 (``profiler_config={"profiler": "torch"}``, after the timed runs, on prompts no run has seen):
@@ -193,7 +194,7 @@ def _child(spec: RunSpec) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from .host import selected_isa
+    from mla_backend.testing.host import selected_isa
 
     t0 = time.perf_counter()
     kwargs = dict(spec.engine_kwargs)

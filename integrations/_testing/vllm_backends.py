@@ -20,15 +20,16 @@ import re
 import signal
 from pathlib import Path
 
+from mla_backend.testing.host import ISA_ENV, has_amx
+
 from . import cpu_imitation
-from .host import ISA_ENV, has_amx
 
 SHIM_DIR = Path(__file__).resolve().parent / "amx_shim"
 FORCE_ENV = "MLA_BENCH_FORCE_AMX_MLA"
 FORCED_NOTE = (
     "AMX_MLA forced: this CPU has no AMX tiles, where vLLM would run CPU_MLA instead; vLLM's "
     "CPU platform was made to select and configure AMX_MLA as on an AMX CPU "
-    "(mla_backend/testing/vllm_backends.py); its kernels then run their AVX-512 code (no AMX "
+    "(integrations/_testing/vllm_backends.py); its kernels then run their AVX-512 code (no AMX "
     "tiles), the rest of the model as for every backend."
 )
 _USING = re.compile(r"Using (\w+) backend\.")

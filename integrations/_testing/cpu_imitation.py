@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .host import ISA_ENV
+from mla_backend.testing.host import ISA_ENV
 
 SHIM_DIR = Path(__file__).resolve().parent / "imitate_shim"
 #: the level an engine process imitates
@@ -104,6 +104,6 @@ def note(level: str) -> str:
     return (
         f"an {level.upper()}-only CPU imitated on the CPU named above: every engine process "
         f"runs with {caps} and torch.cpu's {', '.join(ABSENT[level])} answering False "
-        "(mla_backend/testing/cpu_imitation.py), so vLLM loads and dispatches as on such a CPU; "
+        "(integrations/_testing/cpu_imitation.py), so vLLM loads and dispatches as on such a CPU; "
         f"our kernels at {ISA_ENV} (default: {level})"
     )

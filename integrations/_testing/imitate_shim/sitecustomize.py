@@ -2,8 +2,8 @@
 with fewer instructions would.
 
 On ``PYTHONPATH`` of an engine process imitating such a CPU
-(:mod:`mla_backend.testing.cpu_imitation`, which also caps torch's own kernels through their
-environment variables and says what the imitated CPU lacks), this shim reads
+(:mod:`mla_backend_integrations._testing.cpu_imitation`, which also caps torch's own kernels
+through their environment variables and says what the imitated CPU lacks), this shim reads
 ``MLA_BENCH_IMITATE_ABSENT`` (comma-separated: ``torch.cpu._is_*`` check names, which then
 answer False for every caller, and ``torch.cpu.get_capabilities()`` keys, then reported False),
 so vLLM picks its kernel library and GEMM paths as it would on that CPU. Nothing happens
