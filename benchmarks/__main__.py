@@ -1,7 +1,7 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
 layer, policy, sparse, vllm, vllm-dcp, serve, sglang, gpu, gpu-resources, gpu-sweep, gpu-run,
-fp8-accuracy); each writes ``benchmarks/results/<name>-latest.md`` and appends to
-``<name>-history.md``. ``plot`` redraws the roofline PNGs from ``decode-latest.md``."""
+gpu-sparse, fp8-accuracy); each writes ``benchmarks/results/<name>-latest.md`` and
+appends to ``<name>-history.md``. ``plot`` redraws the roofline PNGs from ``decode-latest.md``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ COMMANDS = {
     "gpu-resources": ("gpu_resources", "Triton kernels compiled for sm_90a / sm_100a on the CPU"),
     "gpu-sweep": ("gpu_sweep", "tile knobs of the Triton / Gluon kernels timed on a GPU"),
     "gpu-run": ("gpu_run", "the one prepared GPU run: tests, benchmarks, sweep, summary"),
+    "gpu-sparse": ("gpu_sparse", "DSA decode on a GPU (Triton): indexer + sparse vs dense"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
 }
 

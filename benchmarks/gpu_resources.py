@@ -1,9 +1,9 @@
-"""``python -m benchmarks gpu-resources``: the Triton absorbed-attention kernel compiled ahead of
-time for Hopper (``sm_90a``) and Blackwell (``sm_100a``) on a machine without a GPU, per launch
-configuration the seam can pick: registers, spill bytes, spills inside the kv loop, shared
-memory, MMA kind, kv-tile buffers, CTAs per SM.
+"""``python -m benchmarks gpu-resources``: the Triton absorbed-attention kernel (and DSA's sparse
+attention and indexer, ``--ops``) compiled ahead of time for Hopper (``sm_90a``) and Blackwell
+(``sm_100a``) on a machine without a GPU, per launch configuration the seam can pick: registers,
+spill bytes, spills inside the kv loop, shared memory, MMA kind, kv-tile buffers, CTAs per SM.
 
-A configuration is (heads, new tokens per request, cache layout, ``Kernels`` knobs). Each is
+A configuration is (heads, new tokens per request, cache layout, ``Kernels`` knobs, op). Each is
 planned on CPU tensors of the real widths (r 512, rope 64, page 64) and called through
 :func:`mla_backend.ops.triton.ops.absorbed_attention` under
 :func:`~mla_backend.ops.triton.ops.record_launches`, so what is compiled is exactly what the call
@@ -14,7 +14,12 @@ registers and spill bytes, ``cuobjdump -sass`` the kv loop: the innermost loop t
 MMA, where a local-memory load or store (``LDL`` / ``STL``) is a spill on the hot path.
 
     python -m benchmarks gpu-resources [--arch 90,100] [--heads 16,32,64,128] [--quick]
-        [--out benchmarks/results/gpu_resources-latest.md]
+        [--ops absorbed,sparse,indexer] [--out benchmarks/results/gpu_resources-latest.md]
+
+DSA ops (decode, topk 2048): ``sparse`` records ``mb.sparse_absorbed_attention`` over the
+``cache`` latent layout (the loop over index blocks is its kv loop); ``indexer`` records the
+logits kernel of ``mb.indexer_topk`` (64 index heads x 128): cache ``fp8`` is vLLM's fp8 index
+cache with e4m3 queries, ``bf16`` a bf16 index cache with bf16 queries.
 
 Needs ``triton`` (3.6.0 is the GPU machine's version) and nothing else; every compile takes
 0.5-4 s on one CPU core.
@@ -42,6 +47,9 @@ import torch
 
 R, ROPE, PAGE = 512, 64, 64
 CACHES = ("bf16", "fp16", "fp8", "fp8_ds_mla")
+#: DSA's ops with an MMA loop (``Config.op``) -> the kernel whose launch is compiled
+DSA_KERNELS = {"sparse": "sparse_attn_kernel", "indexer": "indexer_logits_kernel"}
+INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 #: Hopper's and Blackwell's shared memory per SM available to CTAs (bytes; 227 KB per CTA)
 SMEM_PER_SM = {90: 228 * 1024, 100: 228 * 1024}
 SMEM_PER_CTA = {90: 227 * 1024, 100: 227 * 1024}
@@ -52,17 +60,22 @@ MAX_CTAS_PER_SM = 32
 @dataclass(frozen=True)
 class Config:
     """One launch configuration: heads, new tokens per request, cache layout, ``Kernels``
-    knobs (as keyword arguments of :class:`mla_backend.ops.triton.Kernels`)."""
+    knobs (as keyword arguments of :class:`mla_backend.ops.triton.Kernels`), and the op
+    (``absorbed``, or one of :data:`DSA_KERNELS`)."""
 
     heads: int
     q_len: int
     cache: str
     knobs: tuple[tuple[str, object], ...] = ()
+    op: str = "absorbed"
 
     @property
     def name(self) -> str:
         knobs = "".join(f" {k}={v}" for k, v in self.knobs)
-        return f"{self.cache} h{self.heads} q{self.q_len}{knobs}"
+        if self.op == "indexer":
+            return f"indexer {self.cache}{knobs}"
+        op = "" if self.op == "absorbed" else f"{self.op} "
+        return f"{op}{self.cache} h{self.heads} q{self.q_len}{knobs}"
 
 
 @dataclass
@@ -108,6 +121,8 @@ def record(config: Config) -> tuple[object, object]:
     from mla_backend.ops.triton import Kernels
     from mla_backend.ops.triton import ops as tops
 
+    if config.op != "absorbed":
+        return _record_dsa(config), None
     H, q_len = config.heads, config.q_len
     kv_lens = [200, 130]  # 4 and 3 pages
     table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 0]], dtype=torch.int32)
@@ -136,6 +151,54 @@ def record(config: Config) -> tuple[object, object]:
     if len(attn) != 1:
         raise RuntimeError(f"expected one absorbed attention launch, recorded {launches}")
     return attn[0], plan
+
+
+def _record_dsa(config: Config) -> object:
+    """The launch of DSA op ``config.op``'s kernel (:data:`DSA_KERNELS`) at decode: two
+    requests of 3000 / 2500 tokens, topk 2048, recorded (not run) on CPU tensors."""
+    import mla_backend as mb
+    from mla_backend.cache_layout import CacheLayout
+    from mla_backend.ops.triton import Kernels
+    from mla_backend.ops.triton import ops as tops
+
+    if config.op not in DSA_KERNELS:
+        raise ValueError(f"op {config.op!r} is not supported; use absorbed or {list(DSA_KERNELS)}")
+    H, kv = config.heads, [3000, 2500]
+    pages = -(-max(kv) // PAGE)
+    table = torch.arange(2 * pages, dtype=torch.int32).view(2, pages)
+    batch = mb.MLABatch.build([L - 1 for L in kv], [1, 1], table, PAGE, mb.Phase.DECODE,
+                              block_table_host=table)
+    plan = mb.plan(batch, mb.MLADims(H, R, 128, ROPE, R), mb.Policy("absorb"),
+                   device=torch.device("cpu"), impl=Kernels(**dict(config.knobs)),
+                   indexer=mb.IndexerDims(INDEX_HEADS, INDEX_DIM, TOPK))
+    n = 2 * pages
+    with tops.record_launches() as launches:
+        if config.op == "indexer":
+            fp8 = config.cache == "fp8"
+            index_cache = torch.zeros(n, PAGE, INDEX_DIM + 4 * fp8,
+                                      dtype=torch.uint8 if fp8 else torch.bfloat16)
+            q_dt = mb.FP8_DTYPE if fp8 else torch.bfloat16
+            mb.indexer_topk(torch.zeros(2, INDEX_HEADS, INDEX_DIM).to(q_dt),
+                            torch.zeros(2, INDEX_HEADS), index_cache, plan, TOPK)
+        else:
+            kv_scale = None
+            if config.cache == "fp8_ds_mla":
+                width = CacheLayout.ds_mla(R, ROPE, torch.bfloat16).width
+                cache = torch.zeros(n, PAGE, width, dtype=torch.uint8)
+            elif config.cache == "fp8":
+                cache, kv_scale = torch.zeros(n, PAGE, R + ROPE, dtype=mb.FP8_DTYPE), \
+                    torch.tensor(0.5)
+            else:
+                cd = torch.float16 if config.cache == "fp16" else torch.bfloat16
+                cache = torch.zeros(n, PAGE, R + ROPE, dtype=cd)
+            cd = torch.float16 if config.cache == "fp16" else torch.bfloat16
+            mb.sparse_absorbed_attention(torch.zeros(2, H, R, dtype=cd),
+                                         torch.zeros(2, H, ROPE, dtype=cd), cache, plan,
+                                         torch.zeros(2, TOPK, dtype=torch.int32), 0.1, kv_scale)
+    found = [x for x in launches if _fn(x.kernel).__name__ == DSA_KERNELS[config.op]]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {DSA_KERNELS[config.op]} launch, recorded {launches}")
+    return found[0]
 
 
 def _fn(kernel: object) -> object:
@@ -303,7 +366,7 @@ def compile_config(config: Config, arch: int = 90) -> Result:
     try:
         launch, _ = record(config)
         kw = launch.kwargs
-        res.rows = kw["BLOCK_Q"] * kw["BLOCK_H"]
+        res.rows = kw.get("BLOCK_Q", 1) * kw["BLOCK_H"]
         res.block_n = kw.get("BLOCK_N", 64)  # the Gluon kernel: one 64-row page per tile
         src, options = source(launch)
         res.num_warps = options.get("num_warps", 4)
@@ -344,6 +407,14 @@ def compile_config(config: Config, arch: int = 90) -> Result:
 def default_configs(heads: list[int], q_lens: list[int], caches: list[str]) -> list[Config]:
     """Every (heads, q_len, cache) with the default knobs: what the seam launches."""
     return [Config(h, q, c) for c in caches for h in heads for q in q_lens]
+
+
+def dsa_configs(heads: list[int], caches: list[str]) -> list[Config]:
+    """DSA's kernels at decode: the sparse attention per heads and latent cache (and split
+    lists at the largest head count), the indexer over both index caches."""
+    out = [Config(h, 1, c, op="sparse") for c in caches for h in heads]
+    out.append(Config(max(heads), 1, "bf16", (("sparse_splits", 4),), op="sparse"))
+    return out + [Config(INDEX_HEADS, 1, c, op="indexer") for c in ("fp8", "bf16")]
 
 
 def knob_configs(heads: list[int]) -> list[Config]:
@@ -413,7 +484,7 @@ def compile_isolated(configs: list[Config], arch: int = 90) -> list[Result]:
     ``TRITON_INTERPRET`` (a process that imported Triton with the interpreter on cannot compile:
     Triton's own ``@jit`` library functions, ``tl.zeros`` ..., are then interpreted ones)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    payload = json.dumps([[c.heads, c.q_len, c.cache, [list(k) for k in c.knobs]]
+    payload = json.dumps([[c.heads, c.q_len, c.cache, [list(k) for k in c.knobs], c.op]
                           for c in configs])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
@@ -442,7 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     p.add_argument("--before", default=None,
                    help="a previous run's table (this command's stdout): a 'before' column")
-    p.add_argument("--json", default=None, help="JSON list of [heads, q_len, cache, knobs]: "
+    p.add_argument("--ops", default="absorbed",
+                   help="kernels: absorbed and / or DSA's sparse, indexer (comma separated)")
+    p.add_argument("--json", default=None, help="JSON list of [heads, q_len, cache, knobs, op]: "
                    "compile these for the first --arch and print one JSON result per line")
     a = p.parse_args(argv)
     try:
@@ -453,14 +526,20 @@ def main(argv: list[str] | None = None) -> int:
     heads = [int(x) for x in a.heads.split(",")]
     archs = [int(x) for x in a.arch.split(",")]
     if a.json:
-        for h, q, cache, knobs in json.loads(a.json):
-            r = compile_config(Config(h, q, cache, tuple(tuple(k) for k in knobs)), archs[0])
+        for h, q, cache, knobs, *op in json.loads(a.json):
+            c = Config(h, q, cache, tuple(tuple(k) for k in knobs), *op)
+            r = compile_config(c, archs[0])
             print(json.dumps(dataclasses.asdict(r)), flush=True)
         return 0
-    configs = default_configs(heads, [int(x) for x in a.q_lens.split(",")],
-                              a.caches.split(","))
-    if not a.quick:
-        configs += knob_configs(heads)
+    ops = a.ops.split(",")
+    configs = []
+    if "absorbed" in ops:
+        configs = default_configs(heads, [int(x) for x in a.q_lens.split(",")],
+                                  a.caches.split(","))
+        if not a.quick:
+            configs += knob_configs(heads)
+    dsa = [c for c in dsa_configs(heads, a.caches.split(",")) if c.op in ops]
+    configs += dsa
     before = _rows(open(a.before).read()) if a.before else {}
     header = HEADER + (" before: regs / spill B / spill in loop / smem KB / kv-loop instrs |"
                        if before else "")
@@ -480,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         cpu = _cpu_name()
         with open(a.out, "w") as f:
-            f.write(f"# The absorbed kernel compiled for {', '.join(f'sm_{x}a' for x in archs)}"
+            f.write(f"# The Triton kernels ({', '.join(ops)}) compiled for "
+                    f"{', '.join(f'sm_{x}a' for x in archs)}"
                     f" on the CPU (python -m benchmarks gpu-resources)\n\n"
                     f"{time.strftime('%Y-%m-%d %H:%MZ', time.gmtime())}; compiled on {cpu}; "
                     f"triton {triton.__version__} (the GPU machine's); r {R}, rope {ROPE}, "

@@ -268,11 +268,14 @@ def _dsa_calls() -> dict[str, Callable[..., object]]:
     }
 
 
-def _dsa_inputs(cache_dtype: torch.dtype, impl: str) -> tuple[dict, mb.MLAPlan]:
+def _dsa_inputs(cache_dtype: torch.dtype, impl: object,
+                device: torch.device | str = "cpu") -> tuple[dict, mb.MLAPlan]:
+    """The DSA calls' tensors (on ``device``) and their step's plan for ``impl``."""
     d = make_dsa_case(DIMS, mb.IndexerDims(4, 32, 5), [5, 37, 0], [1, 1, 4], 16,
                       dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=3,
                       impl="torch")  # fmt: skip
-    plan = d.plan(impl=impl)
+    plan = mb.plan(d.case.batch, d.case.dims, mb.Policy("absorb"), device=device, impl=impl,
+                   indexer=d.indexer)  # fmt: skip
     T, H = plan.num_tokens, DIMS.num_heads
     t = {
         "index_cache": d.index_cache, "q_I": d.q_I, "w": d.weights, "kv_cache": d.case.kv_cache,
@@ -282,15 +285,13 @@ def _dsa_inputs(cache_dtype: torch.dtype, impl: str) -> tuple[dict, mb.MLAPlan]:
         "q_pe": torch.ones(T, H, DIMS.qk_rope_head_dim, dtype=torch.bfloat16),
         "idx": torch.tensor([[0, -1, 2, 3, -1]] * T, dtype=torch.int32),
     }  # fmt: skip
-    return t, plan
+    return {k: None if v is None else v.to(device) for k, v in t.items()}, plan
 
 
-@pytest.mark.parametrize("call", DSA_CALLS)
-@pytest.mark.parametrize("impl", ["torch", "native"])
-def test_dsa_calls_under_fake_tensor_mode_and_without_host_reads(call: str, impl: str) -> None:
-    if impl == "native" and not mb.ops.native.available():
-        pytest.skip("native kernels unavailable")
-    tensors, plan = _dsa_inputs(torch.bfloat16, impl)
+def check_dsa_call(call: str, tensors: dict, plan: mb.MLAPlan) -> None:
+    """A real run of DSA call ``call`` reads no tensor value on the host, and the call runs
+    under FakeTensorMode (every tensor, the plan's included, faked) giving the real run's
+    shapes and dtypes."""
     fn = _dsa_calls()[call]
     with CountSyncs() as counter:
         real = fn(tensors, plan)
@@ -303,3 +304,11 @@ def test_dsa_calls_under_fake_tensor_mode_and_without_host_reads(call: str, impl
     for r_, o_ in zip(reals, outs, strict=True):
         assert isinstance(o_, torch._subclasses.FakeTensor)
         assert o_.shape == r_.shape and o_.dtype == r_.dtype, call
+
+
+@pytest.mark.parametrize("call", DSA_CALLS)
+@pytest.mark.parametrize("impl", ["torch", "native"])
+def test_dsa_calls_under_fake_tensor_mode_and_without_host_reads(call: str, impl: str) -> None:
+    if impl == "native" and not mb.ops.native.available():
+        pytest.skip("native kernels unavailable")
+    check_dsa_call(call, *_dsa_inputs(torch.bfloat16, impl))

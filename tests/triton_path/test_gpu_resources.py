@@ -1,8 +1,9 @@
-"""The absorbed kernel's default launch configurations compiled ahead of time for Hopper
-(``sm_90a``) on the CPU (``benchmarks/gpu_resources.py``, no GPU needed): each compiles, fits
-the 227 KB of shared memory a CTA may use, and keeps local-memory traffic (spills) out of the kv
-loop; the 64-row configs get Hopper's wgmma. A small set here; ``python -m benchmarks
-gpu-resources`` prints the whole grid. Skipped on the GPU run (CPU work, no GPU time)."""
+"""The absorbed kernel's default launch configurations, and DSA's sparse attention and indexer,
+compiled ahead of time for Hopper (``sm_90a``) on the CPU (``benchmarks/gpu_resources.py``, no
+GPU needed): each compiles, fits the 227 KB of shared memory a CTA may use, and keeps
+local-memory traffic (spills) out of the kv loop (DSA's kernels: no spill at all); the 64-row
+configs get Hopper's wgmma. A small set here; ``python -m benchmarks gpu-resources`` prints the
+whole grid. Skipped on the GPU run (CPU work, no GPU time)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ DEFAULTS = [
     # the Gluon kernel (opt-in): FlashMLA's 64 rows, two warpgroups, TMA double buffer
     res.Config(16, 1, "bf16", (("gluon", True),)),
     res.Config(128, 1, "bf16", (("gluon", True),)),
+    # DSA: the sparse attention (16 / 128 heads, bf16 and fp8_ds_mla latents) and the indexer
+    res.Config(16, 1, "fp8_ds_mla", op="sparse"),
+    res.Config(128, 1, "bf16", op="sparse"),
+    res.Config(128, 1, "fp8_ds_mla", op="sparse"),
+    res.Config(64, 1, "fp8", op="indexer"),
 ]
 
 
@@ -49,6 +55,9 @@ def test_default_config_compiles_for_sm90a_without_spills_in_the_kv_loop(
     assert r.mma == ("wgmma" if r.rows >= 64 or gluon else "mma.sync")
     if gluon:
         assert r.kv_buffers == 2 and r.num_warps == 8 and r.block_n == 64
+        return
+    if config.op != "absorbed":  # DSA's kernels: no spill at all (their own tiles)
+        assert r.spill_bytes == 0, f"{r.spill_bytes} spill bytes"
         return
     # the split count's residency estimate is the compiled kernel's
     assert hx.ctas_per_sm(r.rows, r.block_n, r.num_warps) == r.ctas_per_sm

@@ -23,15 +23,19 @@ triton = pytest.importorskip("triton")
 from test_no_host_sync import (  # noqa: E402  (tests/, on sys.path through tests/conftest.py)
     CACHES,
     CALLS,
+    DSA_CALLS,
     SCENARIOS,
     CountSyncs,
+    _dsa_inputs,
     build,
+    check_dsa_call,
     check_fake,
     check_no_sync,
 )
 from triton_case import DEVICE, ON_GPU, TCase, TritonKernels, assert_matches, tops  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
+from mla_backend.ops.triton import dsa  # noqa: E402
 
 
 @pytest.mark.parametrize("cache_dtype", CACHES, ids=["bf16", "fp8"])
@@ -123,3 +127,36 @@ def test_cache_write_under_compile_mutates_the_cache() -> None:
     assert torch.equal(flat[5], torch.cat([c_kv[0], k_pe[0]]))
     assert torch.equal(flat[0], torch.cat([c_kv[2], k_pe[2]]))
     assert float(total) == pytest.approx(float(flat.float().sum()))
+
+
+# ---- DSA: the index-key write, the indexer's logits / top-k and the sparse attention ------------
+DSA_CASES = [(call, torch.bfloat16) for call in DSA_CALLS] + [
+    ("sparse_absorbed_attention", mb.FP8_DTYPE),  # the latent layout matters to it alone
+    ("sparse_absorbed_attention", torch.uint8),
+]
+
+
+@pytest.mark.parametrize("call,cache_dtype", DSA_CASES, ids=lambda v: str(v))
+def test_dsa_calls_read_no_tensor_data_on_host(call: str, cache_dtype: torch.dtype) -> None:
+    """The DSA calls on Triton plans: no host read in a real run, and they run under
+    FakeTensorMode (the custom ops' fake implementations are their own code)."""
+    check_dsa_call(call, *_dsa_inputs(cache_dtype, TritonKernels(sparse_splits=2), DEVICE))
+
+
+def test_dsa_op_bodies_read_no_tensor_data_on_host() -> None:
+    """The DSA ops' implementations themselves, called directly (a dispatch mode sees a
+    custom op as one call and not what runs inside it), split lists included."""
+    t, plan = _dsa_inputs(torch.bfloat16, TritonKernels(), DEVICE)
+    part, sp = plan.step, plan.sparse
+    index_args = (t["q_I"], t["w"], t["index_cache"], part.block_table, sp.token_req_t,
+                  sp.token_pos_t, 32)  # fmt: skip
+    with set_wrap_triton_enabled(False), CountSyncs() as counter:
+        dsa._write_index_keys_op(t["index_cache"], t["k_I"], t["slots"], 32, False)
+        lg = dsa._indexer_logits_op(*index_args, sp.max_kv_len, False)
+        idx = dsa._indexer_topk_op(*index_args, sp.max_kv_len, 5, False)
+        o, lse = dsa._sparse_attention_op(t["q_lat"], t["q_pe"], t["kv_cache"],
+                                          part.block_table, part.kv_lens_t, sp.token_req_t,
+                                          t["idx"], None, 0.1, 0, 0, 2, 1, False)  # fmt: skip
+    assert counter.sites == []
+    assert lg.shape == (plan.num_tokens, sp.max_kv_len) and idx.shape == (plan.num_tokens, 5)
+    assert torch.isfinite(o.float()).all() and o.shape == t["q_lat"].shape

@@ -29,17 +29,19 @@ def load_triton_ops():
     """Import the Triton path; under the interpreter, re-decorate its kernels if they were
     imported before the interpreter was switched on (another test module may have imported
     them). The custom ops stay registered once; they read the kernels from the module."""
+    from mla_backend.ops.triton import dsa
     from mla_backend.ops.triton import ops as triton_ops
-    from mla_backend.ops.triton.jit import attention, cache_write
+    from mla_backend.ops.triton.jit import attention, cache_write, indexer, sparse_attention
 
     if ON_GPU:
         return triton_ops
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(attention.absorbed_attn_kernel, InterpretedFunction):
-        importlib.reload(attention)
-        importlib.reload(cache_write)
+        for module in (attention, cache_write, indexer, sparse_attention):
+            importlib.reload(module)  # the kernels' users after the helpers they import
         triton_ops = importlib.reload(sys.modules["mla_backend.ops.triton.ops"])
+        importlib.reload(dsa)
     return triton_ops
 
 

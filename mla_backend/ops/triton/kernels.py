@@ -1,7 +1,9 @@
 """The Triton implementation of the device seam (:class:`Kernels`): the custom ops of
 :mod:`.ops` for the cache write and the absorbed attention (with its plan-time schedule,
-:mod:`.schedule`); the normal path's cache reads and MHA (torch's fused SDPA) are the base
-class's defaults."""
+:mod:`.schedule`), and of :mod:`.dsa` for DSA's index-key write, indexer logits / top-k and
+sparse attention; the normal path's cache reads and MHA (torch's fused SDPA) are the base
+class's defaults, as are DSA shapes the kernels do not take (a latent wider than 512, more
+than 16 scales per index key), which run the base class's torch versions."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ...decision import Decision
 from ...dims import MLADims
 from ...parts import StepShape
-from ..base import AbsorbedCall, KernelImpl, LatentWrite
+from ..base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
+from . import dsa, schedule
 from . import ops as triton_ops  # by module: tests reload it and patch its functions
-from . import schedule
 from .jit import heuristics as hx
 from .schedule import TritonSchedule
 
@@ -42,6 +44,8 @@ class Kernels(KernelImpl):
         gluon: run the Gluon kernel (:mod:`.jit.gluon_attention`: Hopper, FlashMLA's split of
             the work between two warpgroups) where it serves the call; opt-in until timed.
             Its schedule is cut at whole 64-row pages (``block_n`` 64).
+        sparse_splits: force DSA's sparse attention's pieces per index list (default
+            :func:`mla_backend.ops.triton.dsa.sparse_splits`).
     """
 
     name = "triton"
@@ -59,9 +63,13 @@ class Kernels(KernelImpl):
         chunk: int = hx.LATENT_CHUNK,
         fp8_f16: bool = False,
         gluon: bool = False,
+        sparse_splits: int | None = None,
     ) -> None:
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
+        if sparse_splits is not None and sparse_splits < 1:
+            raise ValueError(f"sparse_splits={sparse_splits} must be >= 1")
+        self.sparse_splits = sparse_splits
         rows = rows_per_program
         if rows < hx.MIN_DOT_DIM or rows & (rows - 1):
             raise ValueError(
@@ -85,7 +93,7 @@ class Kernels(KernelImpl):
             f"rows_per_program={self.rows_per_program}, fp8_mode={self.fp8_mode}, "
             f"num_warps={self.num_warps}, num_stages={self.num_stages}, "
             f"pad_rows={self.pad_rows}, chunk={self.chunk}, fp8_f16={self.fp8_f16}, "
-            f"gluon={self.gluon})"
+            f"gluon={self.gluon}, sparse_splits={self.sparse_splits})"
         )
 
     def describe(self, device: torch.device) -> dict[str, Decision]:
@@ -162,3 +170,22 @@ class Kernels(KernelImpl):
             fp8_f16=self.fp8_f16, gluon=self.gluon,
         )
         return call.deliver(o, lse)
+
+    # ---- DSA ----------------------------------------------------------------------------
+    def write_index_keys(self, w: IndexKeyWrite) -> None:
+        dsa.write_index_keys(w)
+
+    def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
+        if not dsa.indexer_supported(call.layout.scales_per_key):
+            return super().indexer_logits(call)
+        return dsa.indexer_logits(call, fp8_mode=self.fp8_mode)
+
+    def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
+        if not dsa.indexer_supported(call.layout.scales_per_key):
+            return super().indexer_topk(call)
+        return dsa.indexer_topk(call, fp8_mode=self.fp8_mode)
+
+    def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
+        if not dsa.sparse_supported(call.attn.layout.kv_lora_rank):
+            return super().sparse_absorbed_attention(call)
+        return dsa.sparse_attention(call, fp8_mode=self.fp8_mode, num_splits=self.sparse_splits)
