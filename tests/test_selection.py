@@ -32,7 +32,8 @@ def test_cpu_selection_names_every_decision_and_its_reason(monkeypatch) -> None:
         assert sel.isa.value == native.selected_isa()
         assert "best level this CPU runs" in sel.isa.why
         assert sel.attention_engine is not None and sel.gemm_dispatch is not None
-        assert sel.cost_profile.value.startswith(f"native/{sel.isa.value}+")
+        assert sel.cost_profile.value.startswith(f"native:{sel.isa.value}")
+        assert "mla_backend/profiles.json" in sel.cost_profile.why
     else:
         assert sel.impl.value == "torch" and "native unavailable" in sel.impl.why
     assert sel.policy.value == "cost" and sel.policy.why.startswith("default")
