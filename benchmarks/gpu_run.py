@@ -1,8 +1,9 @@
 """``python -m benchmarks gpu-run``: the one prepared GPU run (H100 / H200, ~8 minutes): GPU tests
-of the compiled kernels, the GPU benchmark (bf16 / fp8 / fp8_ds_mla, 16 and 128 heads, batch
-128, kv 4K and 8K, 1- and 2-token queries) with FlashInfer's column, the Gluon kernel's column
-and the measured copy / GEMM ceilings, a tile sweep, and a summary that checks the issue's
-targets and applies the decisions written down before the run
+of the compiled kernels (dense, Gluon, the DSA kernels: all of ``tests/triton_path``), the GPU
+benchmark (bf16 / fp8 / fp8_ds_mla, 16 and 128 heads, batch 128, kv 4K and 8K, 1- and 2-token
+queries) with FlashInfer's column, the Gluon kernel's column and the measured copy / GEMM
+ceilings, the DSA sparse decode against dense (``gpu-sparse``), a tile sweep, and a summary that
+checks the issue's targets and applies the decisions written down before the run
 (``benchmarks/results/gpu-plan.md``).
 
     cd <repo> && python3 -m benchmarks gpu-run --out "$OUT"      # on the GPU machine
@@ -18,7 +19,8 @@ deadline minus what the later stages need at least)``); a stage that runs over i
 what it wrote stays (every table prints row by row). FlashInfer's nvcc JIT build runs in the
 background from the start and is waited for only until the bf16 benchmark must begin.
 Files in ``--out`` (8): ``env.txt``, ``run.log`` (stage times), ``pytest.log``,
-``flashinfer.log``, ``bench_bf16.txt``, ``bench_fp8.txt``, ``sweep.txt``, ``summary.md``.
+``flashinfer.log``, ``bench_bf16.txt``, ``bench_fp8.txt``, ``sweep.txt`` (the DSA table, then the
+sweep), ``summary.md``.
 """
 
 from __future__ import annotations
@@ -40,12 +42,6 @@ FILES = ("env.txt", "run.log", "pytest.log", "flashinfer.log", "bench_bf16.txt",
 #: where the carried wheels are installed (tests' helpers / FlashInfer, kept apart so that the
 #: test stage cannot start a second FlashInfer JIT build)
 SITE_TEST, SITE_FI = "/tmp/mla_site_test", "/tmp/mla_site_fi"
-
-
-def dsa_tests() -> list[str]:
-    """LEAD: the GPU tests of the sparse (DSA) Triton kernels go here (pytest node ids or paths,
-    run with ``MLA_TEST_DEVICE=cuda`` in the test stage, after ``tests/triton_path``)."""
-    return []
 
 
 @dataclass
@@ -215,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks gpu-run", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_run_out"))
-    p.add_argument("--deadline", type=float, default=470.0, help="seconds for the whole run")
+    p.add_argument("--deadline", type=float, default=500.0, help="seconds for the whole run")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU: every stage a stand-in that sleeps (scaled by --scale)")
     p.add_argument("--scale", type=float, default=None,
@@ -229,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(out, a.deadline * scale, a.dry_run, scale)
     py = sys.executable
     S = {s.name: s for s in [
-        Stage("tests", "pytest.log", 150, 40),
+        Stage("tests", "pytest.log", 170, 40),
         Stage("gluon_tests", "pytest.log", 45, 15),
         Stage("bench_bf16", "bench_bf16.txt", 110, 45),
         Stage("bench_gluon", "bench_bf16.txt", 50, 20),
         Stage("bench_fp8", "bench_fp8.txt", 40, 20),
         Stage("bench_ds", "bench_fp8.txt", 40, 20),
+        Stage("bench_sparse", "sweep.txt", 70, 25),
         Stage("sweep", "sweep.txt", 110, 25),
         Stage("fi_tests", "flashinfer.log", 35, 15),
     ]}
@@ -260,33 +257,41 @@ def main(argv: list[str] | None = None) -> int:
     # the Gluon kernel's tests and timings run apart, each in its own box: a kernel that hangs
     # on the GPU (an mbarrier never completed) costs its box, not the run
     run.run(S["tests"], [*pytest, *xdist, "tests/triton_path/test_triton_gpu_only.py",
-                         "tests/triton_path", *dsa_tests(), "-k", "not gluon"],
-            need_after("gluon_tests", "bench_bf16", "bench_fp8", "bench_ds", "sweep"),
+                         "tests/triton_path", "-k", "not gluon"],
+            need_after("gluon_tests", "bench_bf16", "bench_fp8", "bench_ds", "bench_sparse",
+                       "sweep"),
             env={"MLA_TEST_DEVICE": "cuda"}, simulate=sim("tests"))
     run.run(S["gluon_tests"], [*pytest, "tests/triton_path/test_triton_gpu_only.py", "-k",
                                "gluon"],
-            need_after("bench_bf16", "bench_fp8", "bench_ds", "sweep"),
+            need_after("bench_bf16", "bench_fp8", "bench_ds", "bench_sparse", "sweep"),
             env={"MLA_TEST_DEVICE": "cuda"}, append=True, simulate=sim("gluon_tests"))
     fi_built = _wait_jit(run, jit, S["bench_bf16"].cap
-                         + need_after("bench_gluon", "bench_fp8", "bench_ds", "sweep"), most=45)
+                         + need_after("bench_gluon", "bench_fp8", "bench_ds", "bench_sparse",
+                                      "sweep"), most=45)
     fi_path = {"PYTHONPATH": f"{ROOT}:{SITE_TEST}:{SITE_FI}"} if fi_built else {}
     bench = [py, "-m", "benchmarks", "gpu", "--batch", "128", "--heads", "16,128",
              "--q-lens", "1,2", "--no-varlen", "--no-graph"]
     run.run(S["bench_bf16"], [*bench, "--means", "4096,8192"],
-            need_after("bench_gluon", "bench_fp8", "bench_ds", "sweep"), env=fi_path,
+            need_after("bench_gluon", "bench_fp8", "bench_ds", "bench_sparse", "sweep"),
+            env=fi_path,
             simulate=sim("bench_bf16"))
     run.run(S["bench_gluon"], [*bench, "--means", "4096,8192", "--gluon", "--no-others",
                                "--no-check"],
-            need_after("bench_fp8", "bench_ds", "sweep"), append=True,
+            need_after("bench_fp8", "bench_ds", "bench_sparse", "sweep"), append=True,
             simulate=sim("bench_gluon"))
     run.run(S["bench_fp8"], [*bench, "--means", "4096", "--cache", "fp8", "--no-others"],
-            need_after("bench_ds", "sweep"), simulate=sim("bench_fp8"))
+            need_after("bench_ds", "bench_sparse", "sweep"), simulate=sim("bench_fp8"))
     run.run(S["bench_ds"], [*bench, "--means", "4096", "--cache", "fp8_ds_mla", "--no-others"],
-            need_after("sweep"), append=True, simulate=sim("bench_ds"))
+            need_after("bench_sparse", "sweep"), append=True, simulate=sim("bench_ds"))
+    # DSA: indexer top-k + sparse attention vs dense absorbed decode (128 heads, topk 2048),
+    # each shape checked against the torch path on the GPU before it is timed
+    run.run(S["bench_sparse"], [py, "-m", "benchmarks", "gpu-sparse", "--batches", "128",
+                                "--lens", "8192,32768", "--caches", "bf16,fp8_ds_mla"],
+            need_after("sweep"), simulate=sim("bench_sparse"))
     later = need_after("fi_tests") if fi_built else 0.0
     box = run.box(S["sweep"], later) / scale
     run.run(S["sweep"], [py, "-m", "benchmarks", "gpu-sweep",
-                         "--budget-s", f"{max(box - 25, 5):.0f}"], later,
+                         "--budget-s", f"{max(box - 25, 5):.0f}"], later, append=True,
             simulate=sim("sweep"))
     if fi_built:
         run.run(S["fi_tests"], [*pytest, "tests/triton_path/test_triton_gpu_only.py",

@@ -150,6 +150,14 @@ def summarize(out: Path, stages: list[tuple[str, str, float]]) -> str:
             lines.append(f"| {cache} {target} | {(kv, heads, q)} | {_fmt(speed, unit='x')} | - "
                          f"| {ok} |")
 
+    sparse = [ln for ln in read("sweep.txt").splitlines() if " | " in ln]
+    lines += ["", "## DSA: indexer top-k + sparse attention vs dense absorbed decode", ""]
+    if sparse:
+        lines += [f"| {sparse[0]} |", "|" + "---|" * (sparse[0].count(" | ") + 1)]
+        lines += [f"| {ln} |" for ln in sparse[1:]]
+    else:
+        lines.append("(no table: see sweep.txt)")
+
     sweep = parse_table(read("sweep.txt"), "heads")
     lines += ["", "## Tile sweep: settings faster than the default (same output)", ""]
     groups: dict[tuple[str, str, str], list[dict[str, str]]] = {}
