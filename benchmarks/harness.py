@@ -1,8 +1,9 @@
 """The benchmarks' shared harness: interleaved timing (with a per-round hook: the roofline's
 samples, ``benchmarks/roofline.py``), markdown tables, results files (``<name>-latest.md``
 plus one appended ``<name>-history.md``), the host line every result names (CPU model, torch
-capability, our native ISA levels), and engine server processes (start, wait until ready, stop
-the whole process group).
+capability, our native ISA levels). Engine server processes are
+``mla_backend_integrations._testing.engine_server``'s (imported by the engine benchmarks only,
+so the kernel benchmarks run where the integrations are not installed, e.g. a bare GPU box).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from mla_backend_integrations._testing.engine_server import Server, free_port
 
 from mla_backend.testing import host
 
@@ -26,7 +26,6 @@ host_isas = host.host_isas
 selected_isa = host.selected_isa
 native_kernels = host.native_kernels
 describe_host = host.describe
-__all__ = ["Server", "free_port"]  # engine servers (start, wait ready, stop the process group)
 
 
 # -- timing ----------------------------------------------------------------------------------

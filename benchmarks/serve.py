@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_backend_integrations._testing.cpu_imitation import CAPS
+from mla_backend_integrations._testing.engine_server import Server, free_port
 from mla_backend_integrations._testing.vllm_backends import (
     FORCE_ENV,
     FORCED_NOTE,
@@ -77,7 +78,7 @@ from mla_backend.testing import host
 from mla_backend.testing.tiny_model import PRESETS, YARN_ROPE_SCALING, make_tiny_deepseek_v2
 
 from . import harness
-from .harness import ROOT, Server, free_port
+from .harness import ROOT
 
 SGLANG_STUBS = ROOT / "integrations" / "sglang" / "tests" / "stubs"
 SERVED = "tiny"

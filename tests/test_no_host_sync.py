@@ -61,7 +61,7 @@ def build(name: str, cache_dtype: torch.dtype, impl: object, device: torch.devic
     """The scenario's case (moved to ``device``) and its plan for ``impl``."""
     prefix, new, phase, policy, mode = SCENARIOS[name]
     case = make_case(DIMS, prefix, new, 16, dtype=dtype, cache_dtype=cache_dtype, seed=3,
-                     phase=phase)
+                     phase=phase, impl="torch")  # the case's cache, whatever MLA_BACKEND_IMPL
     dev = torch.device(device)
     if dev.type != "cpu":
         table = case.batch.block_table

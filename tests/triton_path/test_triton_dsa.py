@@ -70,6 +70,31 @@ WRITE_KINDS = [("fp8", 128, 128, None), ("fp8", 128, 128, "ue8m0"), ("fp8", 64, 
                ("float16", 48, 0, None), ("float32", 48, 0, None)]  # fmt: skip
 
 
+def _byte_diff(got: torch.Tensor, want: torch.Tensor, lay: IndexCacheLayout,
+               slots: torch.Tensor, k: torch.Tensor) -> str:
+    """Where two fp8 index caches differ: per differing token, its values' and scales' bytes
+    (a GPU-only difference is then read off the test log)."""
+    ps = got.shape[1]
+    vals_g, sc_g = lay.page_views(got)
+    vals_w, sc_w = lay.page_views(want)
+    lines = []
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        p, j = divmod(slot, ps)
+        dv = (vals_g[p, j] != vals_w[p, j]).nonzero().flatten().tolist()
+        ds = (sc_g[p, j].view(torch.int32) != sc_w[p, j].view(torch.int32)).nonzero()
+        ds = ds.flatten().tolist()
+        if dv or ds:
+            lines.append(
+                f"token {t} (slot {slot}): value bytes {dv[:6]} got "
+                f"{vals_g[p, j][dv[:6]].tolist()} want {vals_w[p, j][dv[:6]].tolist()} "
+                f"(keys {k[t].float()[dv[:6]].tolist()}); scales {ds} got "
+                f"{sc_g[p, j].tolist()} want {sc_w[p, j].tolist()}"
+            )
+    return "\n".join(lines[:8]) or "bytes outside the written rows differ"
+
+
 @pytest.mark.parametrize("k_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("name,Di,block,fmt", WRITE_KINDS, ids=str)
 def test_index_key_write_equals_the_torch_writer(name, Di, block, fmt, k_dtype):
@@ -96,7 +121,7 @@ def test_index_key_write_equals_the_torch_writer(name, Di, block, fmt, k_dtype):
     mb.write_index_keys(got, k.to(DEVICE), slots.to(DEVICE), lay, impl=TritonKernels())
     got = got.cpu()
     if lay.kind == "fp8":
-        assert torch.equal(got, want)
+        assert torch.equal(got, want), _byte_diff(got, want, lay, slots, k)
         vals, scales = lay.page_views(got)
         flat = lay.decode(vals.reshape(-1, Di), scales.reshape(-1, scales.shape[-1]))
         ref = index_fp8_dequantized(k, block, fmt == "ue8m0")

@@ -100,6 +100,7 @@ class TCase:
             cache_dtype=cache_dtype,
             seed=seed,
             phase=phase,
+            impl="torch",  # the case's cache written on the host whatever MLA_BACKEND_IMPL says
         )
         self.base = base
         table = torch.zeros(len(prefix), base.batch.block_table.shape[1], dtype=torch.int32)
