@@ -54,6 +54,8 @@ INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 SMEM_PER_SM = {90: 228 * 1024, 100: 228 * 1024}
 SMEM_PER_CTA = {90: 227 * 1024, 100: 227 * 1024}
 REGS_PER_SM = 65536
+#: the queries' dtypes a :class:`Config` names
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_CTAS_PER_SM = 32
 
 
@@ -68,10 +70,14 @@ class Config:
     cache: str
     knobs: tuple[tuple[str, object], ...] = ()
     op: str = "absorbed"
+    #: the queries' (compute) dtype: bf16 (the models'), fp16 or fp32
+    dtype: str = "bf16"
 
     @property
     def name(self) -> str:
         knobs = "".join(f" {k}={v}" for k, v in self.knobs)
+        if self.dtype != "bf16":
+            knobs = f" q={self.dtype}" + knobs
         if self.op == "indexer":
             return f"indexer {self.cache}{knobs}"
         op = "" if self.op == "absorbed" else f"{self.op} "
@@ -130,7 +136,7 @@ def record(config: Config) -> tuple[object, object]:
     batch = mb.MLABatch.build([L - q_len for L in kv_lens], [q_len] * 2, table, PAGE, phase,
                               block_table_host=table)
     dims = mb.MLADims(H, R, 128, ROPE, R)
-    cd = torch.float16 if config.cache == "fp16" else torch.bfloat16
+    cd = torch.float16 if config.cache == "fp16" else DTYPES[config.dtype]
     n_pages = 7
     kv_scale = None
     if config.cache == "fp8_ds_mla":
@@ -484,8 +490,8 @@ def compile_isolated(configs: list[Config], arch: int = 90) -> list[Result]:
     ``TRITON_INTERPRET`` (a process that imported Triton with the interpreter on cannot compile:
     Triton's own ``@jit`` library functions, ``tl.zeros`` ..., are then interpreted ones)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    payload = json.dumps([[c.heads, c.q_len, c.cache, [list(k) for k in c.knobs], c.op]
-                          for c in configs])
+    payload = json.dumps([[c.heads, c.q_len, c.cache, [list(k) for k in c.knobs], c.op,
+                           c.dtype] for c in configs])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "gpu-resources", "--arch", str(arch),
@@ -515,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a previous run's table (this command's stdout): a 'before' column")
     p.add_argument("--ops", default="absorbed",
                    help="kernels: absorbed and / or DSA's sparse, indexer (comma separated)")
-    p.add_argument("--json", default=None, help="JSON list of [heads, q_len, cache, knobs, op]: "
+    p.add_argument("--json", default=None, help="JSON list of [heads, q_len, cache, knobs, op, "
+                   "dtype]: "
                    "compile these for the first --arch and print one JSON result per line")
     a = p.parse_args(argv)
     try:

@@ -32,8 +32,14 @@ from .policy import MODES
 __all__ = ["AUTO_ORDER", "Selection", "get_impl", "impl_name", "log_once", "resolve"]
 
 ENV_VAR = "MLA_BACKEND_IMPL"
-#: per device type, the implementations ``auto`` tries in order (others: torch)
-AUTO_ORDER: dict[str, tuple[str, ...]] = {"cpu": ("native", "torch"), "cuda": ("triton", "torch")}
+#: per device type, the implementations ``auto`` tries in order (others: torch). On CUDA
+#: FlashInfer's wrapper first where it is installed (it composes the Triton kernels for what it
+#: does not serve): on the H200 run it beat our best kernel at 128 heads by more than the 1.5x
+#: that ``benchmarks/results/gpu-plan.md`` set before the run for it to become the default.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cpu": ("native", "torch"),
+    "cuda": ("flashinfer", "triton", "torch"),
+}
 
 
 # ---- the registrations (lazy: each factory imports its implementation) ------------------------

@@ -121,6 +121,11 @@ def test_index_key_write_equals_the_torch_writer(name, Di, block, fmt, k_dtype):
     mb.write_index_keys(got, k.to(DEVICE), slots.to(DEVICE), lay, impl=TritonKernels())
     got = got.cpu()
     if lay.kind == "fp8":
+        # a NaN key's e4m3 byte is 0x7F or 0xFF: IEEE leaves a NaN's sign to the hardware (the
+        # H200 writes 0x7F where the host writes 0xFF); both read back as NaN
+        for cache in (got, want):
+            vals = lay.page_views(cache)[0]
+            vals[vals == 0xFF] = 0x7F
         assert torch.equal(got, want), _byte_diff(got, want, lay, slots, k)
         vals, scales = lay.page_views(got)
         flat = lay.decode(vals.reshape(-1, Di), scales.reshape(-1, scales.shape[-1]))

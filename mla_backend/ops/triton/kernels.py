@@ -42,8 +42,9 @@ class Kernels(KernelImpl):
             (to bf16 it costs two more per value); queries beyond fp16's range (65504) give
             NaN rows, never a silently wrong value.
         gluon: run the Gluon kernel (:mod:`.jit.gluon_attention`: Hopper, FlashMLA's split of
-            the work between two warpgroups) where it serves the call; opt-in until timed.
-            Its schedule is cut at whole 64-row pages (``block_n`` 64).
+            the work between two warpgroups) where it serves the call: True, False, or None
+            (default: from :data:`heuristics.GLUON_MIN_HEADS` heads on, where the H200 run
+            timed it faster). Its schedule is cut at whole 64-row pages (``block_n`` 64).
         sparse_splits: force DSA's sparse attention's pieces per index list (default
             :func:`mla_backend.ops.triton.dsa.sparse_splits`).
     """
@@ -62,7 +63,7 @@ class Kernels(KernelImpl):
         pad_rows: bool = False,
         chunk: int = hx.LATENT_CHUNK,
         fp8_f16: bool = False,
-        gluon: bool = False,
+        gluon: bool | None = None,
         sparse_splits: int | None = None,
     ) -> None:
         if num_kv_splits is not None and num_kv_splits < 1:
@@ -128,13 +129,22 @@ class Kernels(KernelImpl):
         return hx.attention_tiles(dims.num_heads, block_q, self.rows_per_program,
                                   self.pad_rows)[1]
 
-    def _block_n(self, dims: MLADims, block_q: int, fp8: bool = False) -> int:
+    def _gluon(self, dims: MLADims) -> bool:
+        """Whether calls of these dims try the Gluon kernel: the ``gluon`` knob, else (None)
+        from :data:`heuristics.GLUON_MIN_HEADS` heads on (the H200 run: 1.8x the Triton kernel
+        at 128 heads, slower at 16). It still serves only the calls it can (page 64, bf16 /
+        fp16, r 512, rope 64); the Triton kernel serves the rest."""
+        return self.gluon if self.gluon is not None else dims.num_heads >= hx.GLUON_MIN_HEADS
+
+    def _block_n(
+        self, dims: MLADims, block_q: int, kind: str = "plain", q_bytes: int = 2
+    ) -> int:
         if self.block_n is not None:
             return self.block_n
-        if self.gluon:
-            return 64
+        if self._gluon(dims) and kind == "plain" and q_bytes == 2:
+            return 64  # whole 64-row pages (its schedule)
         block_h = self._block_h(dims, block_q)
-        return hx.kv_block(hx.dim_block(dims.kv_lora_rank), block_q * block_h, fp8)
+        return hx.kv_block(hx.dim_block(dims.kv_lora_rank), block_q * block_h, kind, q_bytes)
 
     def plan_state(self, step: StepShape, block_q: int, num_splits: int) -> TritonSchedule:
         """The plan-time split schedule of :mod:`mla_backend.ops.triton.schedule`, from the
@@ -164,10 +174,11 @@ class Kernels(KernelImpl):
         o, lse = triton_ops.absorbed_attention(
             call.q_lat, call.q_pe, call.kv_cache, part, call.softmax_scale, call.kv_scale,
             schedule=state,
-            block_n=self._block_n(part.dims, part.work.block_q, call.layout.kind != "plain"),
+            block_n=self._block_n(part.dims, part.work.block_q, call.layout.kind,
+                                  call.q_lat.element_size()),
             block_h=self._block_h(part.dims, part.work.block_q), fp8_mode=self.fp8_mode,
             chunk=self.chunk, num_warps=self.num_warps, num_stages=self.num_stages,
-            fp8_f16=self.fp8_f16, gluon=self.gluon,
+            fp8_f16=self.fp8_f16, gluon=self._gluon(part.dims),
         )
         return call.deliver(o, lse)
 

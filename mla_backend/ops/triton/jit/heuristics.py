@@ -45,6 +45,9 @@ CPU_FALLBACK_SM_COUNT = 4
 MIN_DOT_DIM = 16
 #: Query rows (tokens x heads) per program: 64, the M of Hopper's wgmma (FlashMLA's block).
 ROWS_PER_PROGRAM = 64
+#: heads from which the Triton implementation runs the Gluon kernel where it serves a call
+#: (``Kernels(gluon=None)``; the H200 run's sweep: faster at 128 heads, slower at 16)
+GLUON_MIN_HEADS = 64
 #: Latent columns per chunk of the absorbed kernel: 128, the ``fp8_ds_mla`` scale tile. The
 #: kernel computes the scores as a sum of per-chunk dots and keeps one P·V accumulator per
 #: chunk (the ahead-of-time check showed the unchunked [rows, 512] dots spilling).
@@ -122,12 +125,18 @@ def attention_tiles(
     return block_q, block_h
 
 
-def kv_block(block_r: int, block_m: int, fp8: bool = False) -> int:
-    """KV rows per inner-loop step: 64 (FlashMLA's tile) unless a wide latent and a full
-    64-row query block would not fit, or an fp8 tile's widened chunks would spill in the kv
-    loop (the ahead-of-time check, sm_90a): then 32. The plan's schedule cuts at multiples
-    of the bf16 tile (64 rows), which the fp8 launches' 32 divides."""
-    if block_r >= 256 and (block_m >= ROWS_PER_PROGRAM or fp8):
+def kv_block(block_r: int, block_m: int, kind: str = "plain", q_bytes: int = 2) -> int:
+    """KV rows per inner-loop step: 64 (FlashMLA's tile) for bf16 / fp16 caches at every query
+    block (the H200 run's tile sweep, ``benchmarks/results/gpu_sweep-latest.md``: 64 beat 32
+    at 64 rows, spill-free on sm_90a); 32 for a wide fp8 or ``fp8_ds_mla`` latent (64 was
+    faster there too, but its widened tile spills in the kv loop, which the resource check
+    keeps out of every default); 16 for fp32 queries of a wide latent at 64 rows (at 32 they
+    need more shared memory than sm_90a has). ``kind``: the cache layout's kind. The plan's
+    schedule cuts at multiples of 64 rows, which 32 and 16 divide."""
+    wide = block_r >= 256
+    if wide and block_m >= ROWS_PER_PROGRAM and q_bytes >= 4:
+        return 16
+    if wide and kind != "plain":
         return 32
     return 64
 
