@@ -48,6 +48,7 @@ from vllm.v1.attention.backend import (
 
 import mla_backend as mb
 from mla_backend.cache_layout import ENGINE_NAMES, CacheLayout
+from mla_backend.index_cache import IndexerDims
 
 logger = logging.getLogger("vllm.mla_absorb")
 
@@ -144,6 +145,17 @@ class MLAAbsorbMetadata(AttentionMetadata):
     decode: Any = None
 
 
+def indexer_dims(hf_config: Any) -> IndexerDims | None:
+    """The lightning indexer's dims of a DSA model config (``index_topk``: DeepSeek-V3.2,
+    GLM-5), None for a dense MLA model; ``IndexerDims`` refuses values it cannot serve."""
+    topk = getattr(hf_config, "index_topk", None)
+    if topk is None:
+        return None
+    return IndexerDims(
+        n_heads=hf_config.index_n_heads, head_dim=hf_config.index_head_dim, topk=topk
+    )
+
+
 def batch_phase(new_lens: list[int], num_spec_tokens: int) -> mb.Phase:
     """Phase of a vLLM step for the core's policy (vLLM mixes decodes and prefills)."""
     if not new_lens:
@@ -178,6 +190,8 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         self.dims = mb.dims_from(
             mc.hf_text_config, num_heads=mc.get_num_attention_heads(vllm_config.parallel_config)
         )
+        #: a DSA model's indexer dims (the plan then carries the sparse step), else None
+        self.indexer = indexer_dims(mc.hf_text_config)
         self.policy = mb.Policy.from_env()
         self.device = torch.device(device)
         self._modes_seen: set[str] = set()
@@ -212,7 +226,7 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             self.page_size,
             batch_phase(new_lens, self.num_spec_tokens),
         )
-        plan = mb.plan(batch, self.dims, self.policy, device=self.device)
+        plan = mb.plan(batch, self.dims, self.policy, device=self.device, indexer=self.indexer)
         if plan.mode not in self._modes_seen:  # each path mode once at INFO, then DEBUG
             self._modes_seen.add(plan.mode)
             logger.info(
