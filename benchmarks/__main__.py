@@ -1,5 +1,5 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, vllm, serve, sglang, gpu, fp8-accuracy); each writes
+layer, policy, sparse, vllm, serve, sglang, gpu, fp8-accuracy); each writes
 ``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
 the roofline PNGs from ``decode-latest.md``."""
 
@@ -15,6 +15,7 @@ COMMANDS = {
     "gemm": ("gemm", "absorption GEMMs, MHA, decompression per native ISA level vs torch"),
     "layer": ("layer", "one MLA layer incl. both absorptions vs CPU_MLA / AMX_MLA op sequences"),
     "policy": ("policy", "does the cost policy pick the faster path (absorbed / normal)"),
+    "sparse": ("sparse", "DSA decode: indexer top-k + sparse attention vs dense absorbed"),
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),
     "serve": ("serve", "online serving through each engine's own bench client"),
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),

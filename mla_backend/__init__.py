@@ -2,18 +2,21 @@
 
 Cache only the latent ``[c_kv ; k_pe]``; absorb ``W_UK`` into the query and apply ``W_UV``
 after attention for decode and short extends; decompress to plain MHA for long fresh
-prefills; choose per request with a cost-model policy. Engine-agnostic: imports torch (and
-triton where installed), never vLLM or SGLang.
+prefills; choose per request with a cost-model policy; DeepSeek Sparse Attention (the lightning
+indexer's top-k and the sparse absorbed attention, :mod:`mla_backend.sparse`). Engine-agnostic:
+imports torch (and triton where installed), never vLLM or SGLang.
 """
 
 from .attention import MLAAttention, absorbed_attention, normal_attention, write_latent
 from .batch import MLABatch, Phase
 from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
+from .index_cache import IndexCacheLayout, IndexerDims
 from .merge import merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
 from .policy import PathChoice, Policy
+from .sparse import indexer_logits, indexer_topk, sparse_absorbed_attention, write_index_keys
 from .weights import (
     AbsorbWeights,
     absorb_q,
@@ -28,6 +31,8 @@ __version__ = "0.1.0"
 __all__ = [
     "FP8_DTYPE",
     "AbsorbWeights",
+    "IndexCacheLayout",
+    "IndexerDims",
     "MLAAttention",
     "MLABatch",
     "MLADims",
@@ -42,14 +47,18 @@ __all__ = [
     "dequantize_fp8",
     "dims_from",
     "fp8_bmm",
+    "indexer_logits",
+    "indexer_topk",
     "merge_attention_states",
     "normal_attention",
     "plan",
     "quantize_fp8",
+    "sparse_absorbed_attention",
     "split_kv_b_proj",
     "WorkPartition",
     "weights_from_kv_b_proj",
     "weights_from_w_kc_w_vc",
+    "write_index_keys",
     "write_latent",
     "yarn_mscale",
     "yarn_softmax_scale",

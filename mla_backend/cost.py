@@ -1,5 +1,6 @@
 """The cost model's roofline: a device's :class:`DeviceProfile` and the per-request time of each
-path on it (:func:`absorbed_cost`, :func:`normal_cost`), with the generic CPU and GPU profiles.
+path on it (:func:`absorbed_cost`, :func:`normal_cost`, and for DSA layers :func:`sparse_cost`:
+the lightning indexer plus the sparse attention), with the generic CPU and GPU profiles.
 
 Each kernel implementation carries its own profile (``Kernels.cost_profile(device)``, built from
 these types); the policy (:mod:`mla_backend.policy`) asks the plan's implementation for it.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dims import MLADims
+from .index_cache import IndexerDims
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,36 @@ def normal_cost(
         2 * new * kv_avg * H * (nope + rope + v), kv_traffic, profile, profile.attn_efficiency
     )
     return decompress + attn + profile.normal_overhead
+
+
+def sparse_cost(
+    dims: MLADims,
+    indexer: IndexerDims,
+    prefix: int,
+    new: int,
+    profile: DeviceProfile,
+    elt: int = 2,
+) -> float:
+    """Roofline seconds of a DSA layer's sparse path for one request: the two absorption bmms,
+    the lightning indexer (``2 Hi Di`` FLOPs per visible cached token and query token, reading
+    every key once: Di + 4 bytes each, vLLM's fp8 index cache) and the sparse attention (each
+    query token over ``min(topk, visible)`` latent rows, gathered per token)."""
+    H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    w = H * r * (dims.qk_nope_head_dim + dims.v_head_dim)
+    kv = prefix + new
+    kv_avg = prefix + (new + 1) / 2
+    sel = min(float(indexer.topk), kv_avg)
+    bmm = _phase(2 * new * w, w * elt, profile)
+    index = _phase(
+        2 * new * kv_avg * indexer.n_heads * indexer.head_dim,
+        kv * (indexer.head_dim + 4),
+        profile,
+        profile.absorbed_efficiency,
+    )
+    attn = _phase(
+        2 * new * sel * H * (2 * r + rope),
+        min(new * sel, kv) * (r + rope) * elt,
+        profile,
+        profile.absorbed_efficiency,
+    )
+    return bmm + index + attn

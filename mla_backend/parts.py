@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .dims import MLADims
+from .index_cache import IndexerDims
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,23 @@ class PlanPart:
     @property
     def max_new_len(self) -> int:
         return max(self.new_lens, default=0)
+
+
+@dataclass(frozen=True, eq=False)
+class SparsePart:
+    """A DSA step's per-token data for the indexer and the sparse attention (made by
+    :func:`mla_backend.plan` when given ``indexer``), over the whole step (``MLAPlan.step``):
+    query token ``t`` belongs to request ``token_req_t[t]`` and sits at logical position
+    ``token_pos_t[t]`` (prefix + j), so it sees positions ``0 .. token_pos_t[t]``.
+
+    Attributes:
+        indexer: the model's :class:`~mla_backend.index_cache.IndexerDims`.
+        token_req_t: [T] int32 request (index within the step) of each query token.
+        token_pos_t: [T] int32 logical position of each query token.
+        max_kv_len: the longest request's kv length (host int; the logits' width).
+    """
+
+    indexer: IndexerDims
+    token_req_t: torch.Tensor
+    token_pos_t: torch.Tensor
+    max_kv_len: int

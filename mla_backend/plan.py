@@ -24,8 +24,9 @@ import torch
 
 from .batch import MLABatch, Phase
 from .dims import MLADims
+from .index_cache import IndexerDims
 from .ops import KernelImpl, get_impl
-from .parts import PlanPart, WorkPartition
+from .parts import PlanPart, SparsePart, WorkPartition
 from .policy import PathChoice, Policy
 
 
@@ -45,6 +46,9 @@ class MLAPlan:
         normal: the requests the policy sends to the normal path (None if none).
         max_page_id: the largest page id any request uses (-1 if unknown): the run checks
             the cache has more pages than this, from its shape alone.
+        sparse: a DSA step's per-token data (:class:`~mla_backend.parts.SparsePart`: made when
+            :func:`plan` is given ``indexer``), read by the indexer and the sparse attention
+            (:mod:`mla_backend.sparse`); None otherwise.
     """
 
     dims: MLADims
@@ -57,6 +61,7 @@ class MLAPlan:
     absorbed: PlanPart | None
     normal: PlanPart | None
     max_page_id: int
+    sparse: SparsePart | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -89,7 +94,8 @@ class MLAPlan:
                 f"{list(self.step.new_lens)}, page_size={self.page_size}; the batch has "
                 f"new_lens={batch.new_lens}, page_size={batch.page_size}"
             )
-        fresh = _build(batch, self.dims, self.choice, self.impl, self.device)
+        indexer = self.sparse.indexer if self.sparse is not None else None
+        fresh = _build(batch, self.dims, self.choice, self.impl, self.device, indexer)
         pairs = ((self.step, fresh.step), (self.absorbed, fresh.absorbed),
                  (self.normal, fresh.normal))
         for old, new in pairs:
@@ -114,6 +120,9 @@ class MLAPlan:
             object.__setattr__(old, "pages", new.pages)
             object.__setattr__(old, "max_page_id", new.max_page_id)
         object.__setattr__(self, "max_page_id", fresh.max_page_id)
+        if self.sparse is not None and fresh.sparse is not None:
+            self.sparse.token_pos_t.copy_(fresh.sparse.token_pos_t)
+            object.__setattr__(self.sparse, "max_kv_len", fresh.sparse.max_kv_len)
 
 
 def _int32_views(
@@ -230,6 +239,8 @@ def plan(
     policy: Policy | None = None,
     device: torch.device | str | None = None,
     impl: str | KernelImpl | None = None,
+    *,
+    indexer: IndexerDims | None = None,
 ) -> MLAPlan:
     """Plan one step: the policy's decision, the requests of each path and the kernels' index
     tensors. Call once per step; every layer's attention call takes the result.
@@ -242,6 +253,11 @@ def plan(
         impl: kernel implementation: a name (``torch``, ``native``, ``triton``) or an instance
             (tuning knobs are its keyword arguments); default ``MLA_BACKEND_IMPL`` or the
             device's choice (:func:`mla_backend.ops.get_impl`).
+        indexer: a DSA model's indexer dims (:class:`~mla_backend.index_cache.IndexerDims`):
+            the plan then carries the per-token data of the indexer and the sparse attention
+            (``MLAPlan.sparse``) and the policy's choice says which requests need the sparse
+            path (``PathChoice.use_sparse``: those whose context exceeds ``indexer.topk``, where
+            the selection matters) and prices the dense paths against it for the others.
     Returns:
         the step's :class:`MLAPlan`.
     Raises:
@@ -253,13 +269,29 @@ def plan(
     if not isinstance(dims, MLADims):
         raise ValueError(f"plan() takes MLADims, got {type(dims).__name__}")
     dev = torch.device(device) if device is not None else batch.block_table.device
+    if indexer is not None and not isinstance(indexer, IndexerDims):
+        raise ValueError(f"plan(indexer=...) takes IndexerDims, got {type(indexer).__name__}")
     kernels = get_impl(dev, impl)
     policy = policy if policy is not None else Policy.from_env()
-    return _build(batch, dims, policy.choose(batch, dims, kernels.cost_profile(dev)), kernels, dev)
+    extra = {"indexer": indexer} if indexer is not None else {}
+    choice = policy.choose(batch, dims, kernels.cost_profile(dev), **extra)
+    return _build(batch, dims, choice, kernels, dev, indexer)
+
+
+def _sparse_part(batch: MLABatch, indexer: IndexerDims, dev: torch.device) -> SparsePart:
+    req = [i for i, n in enumerate(batch.new_lens) for _ in range(n)]
+    pos = [p + j for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True) for j in range(n)]
+    req_t, pos_t = _int32_views((req, pos), dev)
+    return SparsePart(indexer, req_t, pos_t, batch.max_kv_len)
 
 
 def _build(
-    batch: MLABatch, dims: MLADims, choice: PathChoice, kernels: KernelImpl, dev: torch.device
+    batch: MLABatch,
+    dims: MLADims,
+    choice: PathChoice,
+    kernels: KernelImpl,
+    dev: torch.device,
+    indexer: IndexerDims | None = None,
 ) -> MLAPlan:
     all_reqs = list(range(batch.num_reqs))
     step = _part(batch, all_reqs, True, dims, kernels, dev)
@@ -285,4 +317,5 @@ def _build(
         absorbed=absorbed,
         normal=normal,
         max_page_id=step.max_page_id,
+        sparse=_sparse_part(batch, indexer, dev) if indexer is not None else None,
     )

@@ -15,6 +15,15 @@ Modes (one setting: ``Policy(mode=...)`` or the ``MLA_BACKEND_POLICY`` environme
 
 Decode tokens are always absorbed (there is nothing to gain from decompressing for one
 token), and speculative phases are absorbed in every mode but ``normal``.
+
+DSA layers (DeepSeek-V3.2, GLM-5: ``choose(..., indexer=IndexerDims(...))``): a request whose
+context exceeds ``indexer.topk`` takes the sparse path (lightning indexer + sparse absorbed
+attention) in every mode: there the selection changes the answer. Where the whole context is
+``<= topk`` the selection is every visible token, so the dense paths give the same attention:
+``cost`` prices absorbed, normal and sparse (:func:`~mla_backend.cost.sparse_cost`) and takes the
+cheapest (the sparse path adds the indexer to the same attention, so a dense path wins; SGLang's
+DSA backend likewise runs MHA for such prefills); the other modes apply their dense rule.
+``PathChoice.use_sparse`` says which requests go sparse (None for non-DSA layers).
 """
 
 from __future__ import annotations
@@ -24,14 +33,22 @@ import os
 from dataclasses import dataclass
 
 from .batch import MLABatch, Phase
-from .cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile, absorbed_cost, normal_cost
+from .cost import (
+    CPU_PROFILE,
+    GPU_PROFILE,
+    DeviceProfile,
+    absorbed_cost,
+    normal_cost,
+    sparse_cost,
+)
 from .dims import MLADims
+from .index_cache import IndexerDims
 
 logger = logging.getLogger("mla_backend.policy")
 
 __all__ = [
     "CPU_PROFILE", "GPU_PROFILE", "MODES", "DeviceProfile", "PathChoice", "Policy",
-    "absorbed_cost", "normal_cost",
+    "absorbed_cost", "normal_cost", "sparse_cost",
 ]
 ENV_VAR = "MLA_BACKEND_POLICY"
 THRESHOLD_ENV_VAR = "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD"
@@ -39,9 +56,23 @@ THRESHOLD_ENV_VAR = "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD"
 
 @dataclass(frozen=True)
 class PathChoice:
-    """Per-request decision of one batch."""
+    """Per-request decision of one batch: ``use_absorbed[i]`` (else normal); for a DSA layer
+    ``use_sparse[i]``: request i takes the sparse path (indexer + sparse absorbed attention;
+    its ``use_absorbed`` is True), None for non-DSA layers."""
 
     use_absorbed: list[bool]
+    use_sparse: list[bool] | None = None
+
+    @property
+    def sparse_mode(self) -> str | None:
+        """``"sparse"`` (every request), ``"dense"`` (none: the selection is everything for
+        every request, so the step runs the dense paths and the indexer only writes its keys),
+        ``"mixed"``; None for a non-DSA layer."""
+        if self.use_sparse is None:
+            return None
+        if self.use_sparse and all(self.use_sparse):
+            return "sparse"
+        return "mixed" if any(self.use_sparse) else "dense"
 
     @property
     def batch_mode(self) -> str:
@@ -161,11 +192,39 @@ class Policy:
         m = sum(normal_cost(dims, p, n, prof) for p, n in lens)
         return m < a
 
+    def request_uses_sparse(
+        self,
+        dims: MLADims,
+        indexer: IndexerDims,
+        prefix: int,
+        new: int,
+        dense_absorbed: bool,
+        profile: DeviceProfile | None = None,
+    ) -> bool:
+        """A DSA layer's request: sparse where its context exceeds ``indexer.topk`` (every
+        mode); else, in ``cost`` mode, where the sparse path prices below the dense path the
+        policy picked (``dense_absorbed``); never in the fixed modes."""
+        if new == 0:
+            return False
+        if prefix + new > indexer.topk:
+            return True
+        if self._mode.per_batch or self._mode.always_absorbed is not None:
+            return False
+        prof = self._profile(profile)
+        dense = (absorbed_cost if dense_absorbed else normal_cost)(dims, prefix, new, prof)
+        return sparse_cost(dims, indexer, prefix, new, prof) < dense
+
     def choose(
-        self, batch: MLABatch, dims: MLADims, profile: DeviceProfile | None = None
+        self,
+        batch: MLABatch,
+        dims: MLADims,
+        profile: DeviceProfile | None = None,
+        *,
+        indexer: IndexerDims | None = None,
     ) -> PathChoice:
         """Per-request decision (``sglang`` mode decides for the whole batch). ``profile``: the
-        plan's kernel implementation's measured profile, which prices the paths."""
+        plan's kernel implementation's measured profile, which prices the paths. ``indexer``:
+        a DSA layer's indexer dims (the choice then says which requests go sparse)."""
         if self._mode.per_batch:
             normal = self.batch_uses_normal(batch, dims, profile)
             choice = PathChoice([not normal] * batch.num_reqs)
@@ -176,13 +235,21 @@ class Policy:
                     for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True)
                 ]
             )
+        if indexer is not None:
+            lens = zip(batch.prefix_lens, batch.new_lens, choice.use_absorbed, strict=True)
+            sparse = [
+                self.request_uses_sparse(dims, indexer, p, n, a, profile) for p, n, a in lens
+            ]
+            absorbed = [a or s for a, s in zip(choice.use_absorbed, sparse, strict=True)]
+            choice = PathChoice(absorbed, sparse)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "mla policy %s: phase=%s prefix=%s new=%s -> %s",
+                "mla policy %s: phase=%s prefix=%s new=%s -> %s (dsa: %s)",
                 self.mode,
                 batch.phase.value,
                 batch.prefix_lens,
                 batch.new_lens,
                 choice.batch_mode,
+                choice.sparse_mode,
             )
         return choice

@@ -6,15 +6,15 @@ wrapper cannot serve).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
-0. core types: dims, batch, fp8, merge, cache_layout, weights, parts (the seam's input
-   types), cost (the roofline and its profiles);
+0. core types: dims, batch, fp8, merge, cache_layout, index_cache, weights, parts (the seam's
+   input types), cost (the roofline and its profiles);
 1. policy (asks the implementation for its cost profile, imports none);
 2. the device seam (``ops/__init__``, ``ops/seam``) and the helpers implementations share
    (``ops/*.py``);
 3. the implementations, sibling packages ``ops/torch``, ``ops/native``, ``ops/triton`` (and
    any new one under ``ops/``);
 4. plan (resolves the implementation through the seam, asks it for its work shape);
-5. entry points: checks, normal, attention;
+5. entry points: checks, normal, attention, sparse;
 6. the package itself and ``testing/``.
 """
 
@@ -27,8 +27,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "mla_backend"
 
-CORE = ("dims", "batch", "fp8", "merge", "cache_layout", "weights", "parts", "cost")
-ENTRY = ("checks", "normal", "attention")
+CORE = (
+    "dims", "batch", "fp8", "merge", "cache_layout", "index_cache", "weights", "parts", "cost",
+)  # fmt: skip
+ENTRY = ("checks", "normal", "attention", "sparse")
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: upward imports in files another branch owns, to drop when it lands (see the merge note)

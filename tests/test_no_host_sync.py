@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_backend as mb
 from mla_backend.policy import PathChoice
-from mla_backend.testing.cases import Case, make_case
+from mla_backend.testing.cases import Case, make_case, make_dsa_case
 
 
 class _FixedChoice(mb.Policy):
@@ -245,3 +245,61 @@ def test_counter_sees_a_host_read() -> None:
         int(t[0])
         bool(t[1] > 0)
     assert len(counter.sites) == 3
+
+
+# ---- DSA: the indexer's key write, logits, top-k and the sparse attention --------------------
+DSA_CALLS = ["write_index_keys", "indexer_logits", "indexer_topk", "sparse_absorbed_attention"]
+
+
+def _dsa_calls() -> dict[str, Callable[..., object]]:
+    """The DSA per-layer calls; each takes (tensors, plan) so fakes can stand in."""
+
+    def write(t, p):
+        mb.write_index_keys(t["index_cache"], t["k_I"], t["slots"], impl=p.impl)
+        return t["index_cache"]
+
+    return {
+        "write_index_keys": write,
+        "indexer_logits": lambda t, p: mb.indexer_logits(t["q_I"], t["w"], t["index_cache"], p),
+        "indexer_topk": lambda t, p: mb.indexer_topk(t["q_I"], t["w"], t["index_cache"], p, 5),
+        "sparse_absorbed_attention": lambda t, p: mb.sparse_absorbed_attention(
+            t["q_lat"], t["q_pe"], t["kv_cache"], p, t["idx"], 0.1, t["kv_scale"]
+        ),
+    }
+
+
+def _dsa_inputs(cache_dtype: torch.dtype, impl: str) -> tuple[dict, mb.MLAPlan]:
+    d = make_dsa_case(DIMS, mb.IndexerDims(4, 32, 5), [5, 37, 0], [1, 1, 4], 16,
+                      dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=3,
+                      impl="torch")  # fmt: skip
+    plan = d.plan(impl=impl)
+    T, H = plan.num_tokens, DIMS.num_heads
+    t = {
+        "index_cache": d.index_cache, "q_I": d.q_I, "w": d.weights, "kv_cache": d.case.kv_cache,
+        "kv_scale": d.case.kv_scale, "k_I": torch.ones(3, 32, dtype=torch.bfloat16),
+        "slots": torch.tensor([1, -1, 2]),
+        "q_lat": torch.ones(T, H, DIMS.kv_lora_rank, dtype=torch.bfloat16),
+        "q_pe": torch.ones(T, H, DIMS.qk_rope_head_dim, dtype=torch.bfloat16),
+        "idx": torch.tensor([[0, -1, 2, 3, -1]] * T, dtype=torch.int32),
+    }  # fmt: skip
+    return t, plan
+
+
+@pytest.mark.parametrize("call", DSA_CALLS)
+@pytest.mark.parametrize("impl", ["torch", "native"])
+def test_dsa_calls_under_fake_tensor_mode_and_without_host_reads(call: str, impl: str) -> None:
+    if impl == "native" and not mb.ops.native.available():
+        pytest.skip("native kernels unavailable")
+    tensors, plan = _dsa_inputs(torch.bfloat16, impl)
+    fn = _dsa_calls()[call]
+    with CountSyncs() as counter:
+        real = fn(tensors, plan)
+    assert counter.sites == [], f"host reads of tensor data at {counter.sites}"
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {k: None if v is None else mode.from_tensor(v) for k, v in tensors.items()}
+        out = fn(fake, _map_tensors(plan, mode.from_tensor))
+    reals = real if isinstance(real, tuple) else (real,)
+    outs = out if isinstance(out, tuple) else (out,)
+    for r_, o_ in zip(reals, outs, strict=True):
+        assert isinstance(o_, torch._subclasses.FakeTensor)
+        assert o_.shape == r_.shape and o_.dtype == r_.dtype, call

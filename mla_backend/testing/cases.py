@@ -154,3 +154,106 @@ def assert_close_to_oracle(
     err = (out.float() - ref).abs().max().item()
     bound = TOL[dtype] * factor * max(1.0, ref.abs().max().item())
     assert err <= bound, f"max error {err:.3e} > {bound:.3e} ({dtype})"
+
+
+# ---- DSA: the indexer's key cache next to the latent cache ----------------------------------
+def index_fp8_dequantized(k: torch.Tensor, block: int = 128, ue8m0: bool = False) -> torch.Tensor:
+    """What vLLM's fp8 index cache reads back for keys k [L, Di], written out plainly per key
+    and block (independent of :class:`IndexCacheLayout`): scale = max(amax, 1e-4) / 448
+    (rounded up to a power of two for ue8m0), values e4m3(clamp(x / scale)). float32 [L, Di]."""
+    out = torch.empty(k.shape, dtype=torch.float32)
+    for t in range(k.shape[0]):
+        for j0 in range(0, k.shape[1], block):
+            x = k[t, j0 : j0 + block].float()
+            scale = torch.clamp(x.abs().max(), min=1e-4) / 448.0
+            if ue8m0:
+                scale = torch.exp2(torch.ceil(torch.log2(scale)))
+            q = torch.clamp(x / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+            out[t, j0 : j0 + block] = q.float() * scale
+    return out
+
+
+@dataclass
+class DsaCase:
+    """A DSA problem: the latent :class:`Case` plus the indexer's paged key cache (same pages
+    and block table), the keys as the cache reads them back, and indexer queries / weights."""
+
+    case: Case
+    indexer: mb.IndexerDims
+    index_cache: torch.Tensor
+    keys: list[torch.Tensor]  # per request [L, Di] float32, as stored
+    q_I: torch.Tensor  # [T, Hi, Di]
+    weights: torch.Tensor  # [T, Hi] float32
+
+    def plan(self, impl: object = None) -> mb.MLAPlan:
+        return mb.plan(self.case.batch, self.case.dims, mb.Policy("absorb"), impl=impl,
+                       indexer=self.indexer)  # fmt: skip
+
+
+def make_dsa_case(
+    dims: mb.MLADims,
+    indexer: mb.IndexerDims,
+    prefix_lens: list[int],
+    new_lens: list[int],
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    index_dtype: torch.dtype = torch.uint8,
+    q_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    impl: str | None = None,
+    distinct_keys: int = 0,
+) -> DsaCase:
+    """A :func:`make_case` problem plus a paged index cache (uint8: vLLM's fp8 layout, or
+    bf16 / fp16 / fp32 keys) written through ``write_index_keys`` (padding slots mixed in;
+    never-written bytes 0xFF / NaN). ``q_dtype``: the indexer queries' dtype (default
+    ``dtype``; float8_e4m3fn: e4m3 values). ``distinct_keys`` > 0: every key is one of that
+    many vectors, and keys, queries and weights are small integers (weights in quarters), so
+    every logit is exact in fp32 whatever the summation order: exact ties between positions
+    in every implementation."""
+    case = make_case(dims, prefix_lens, new_lens, page_size, dtype=dtype, cache_dtype=cache_dtype,
+                     seed=seed, impl=impl)  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 77)
+    Hi, Di = indexer.n_heads, indexer.head_dim
+    layout = (
+        mb.IndexCacheLayout.named("fp8", Di, min(Di, 128)) if index_dtype == torch.uint8
+        else mb.IndexCacheLayout("plain", Di, 0, index_dtype)
+    )  # fmt: skip
+    num_pages = case.kv_cache.shape[0]
+    if index_dtype == torch.uint8:
+        index_cache = torch.full((num_pages, page_size, layout.width), 0xFF, dtype=torch.uint8)
+    else:
+        index_cache = torch.full((num_pages, page_size, Di), float("nan")).to(index_dtype)
+    bt = case.batch.block_table
+    palette = torch.randint(-3, 4, (max(distinct_keys, 1), Di), generator=g).float()
+    keys = []
+    for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
+        L = p + n
+        if distinct_keys:
+            k = palette[torch.randint(0, distinct_keys, (L,), generator=g)]
+        else:
+            k = torch.randn(L, Di, generator=g) * (1 + torch.rand(L, 1, generator=g))
+        k = k.to(index_dtype if index_dtype != torch.uint8 else dtype)
+        slots = torch.tensor(
+            [int(bt[i, t // page_size]) * page_size + t % page_size for t in range(L)],
+            dtype=torch.long,
+        )
+        mb.write_index_keys(
+            index_cache,
+            torch.cat([k, torch.full((2, Di), 99.0).to(k.dtype)]),
+            torch.cat([slots, torch.full((2,), -1)]),
+            layout,
+            impl=impl,
+        )
+        fp8 = index_dtype == torch.uint8
+        keys.append(index_fp8_dequantized(k, layout.quant_block_size) if fp8 else k.float())
+    T = sum(new_lens)
+    qdt = q_dtype or dtype
+    if distinct_keys:
+        q_I = torch.randint(-3, 4, (T, Hi, Di), generator=g).float().to(qdt)
+        weights = torch.randint(-4, 5, (T, Hi), generator=g).float() / 4
+        return DsaCase(case, indexer, index_cache, keys, q_I, weights)
+    q = torch.randn(T, Hi, Di, generator=g)
+    q_I = (q * 8).to(qdt) if qdt == mb.FP8_DTYPE else q.to(qdt)
+    weights = torch.randn(T, Hi, generator=g) / Hi**0.5
+    return DsaCase(case, indexer, index_cache, keys, q_I, weights)

@@ -157,3 +157,98 @@ def plain_attention(
     if plain_dtype is not None:
         o = o.to(plain_dtype)
     return o.double(), lse.double()
+
+
+# ---- DeepSeek Sparse Attention (DSA) ---------------------------------------------------------
+def reference_indexer_logits(
+    q_I: torch.Tensor,
+    weights: torch.Tensor,
+    keys: list[torch.Tensor],
+    new_lens: list[int],
+) -> torch.Tensor:
+    """The lightning indexer's scores in float64, token by token:
+    ``I[s, t] = sum_h weights[s, h] * max(0, q_I[s, h] . k[t])`` for the positions t a query
+    token sees (its request's, ``<= prefix + j``), -inf elsewhere.
+
+    Args:
+        q_I: [T, Hi, Di] (any float dtype, e4m3 included: its values); weights: [T, Hi].
+        keys: per request [L_i, Di], the keys as the cache reads them back.
+        new_lens: per request, query tokens (the last ones of its sequence).
+    Returns:
+        float64 [T, max L_i].
+    """
+    T = q_I.shape[0]
+    width = max((k.shape[0] for k in keys), default=0)
+    out = torch.full((T, width), float("-inf"), dtype=torch.float64)
+    row = 0
+    for k, n in zip(keys, new_lens, strict=True):
+        L = k.shape[0]
+        k64 = k.double()
+        for j in range(n):
+            q = q_I[row].double()  # [Hi, Di]
+            w = weights[row].double()
+            vis = L - n + j + 1
+            dots = q @ k64[:vis].T  # [Hi, vis]
+            out[row, :vis] = (w[:, None] * dots.clamp(min=0)).sum(0)
+            row += 1
+    return out
+
+
+def reference_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """The top-k rule, by sorting each row in Python: among a row's visible positions (its
+    finite entries), the ``min(topk, visible)`` largest logits, a tie going to the lower
+    position, returned ascending and padded with -1.
+
+    Args:
+        logits: [T, W]: visible logits finite, invisible ones -inf (as
+            :func:`reference_indexer_logits` gives them).
+    Returns:
+        int64 [T, topk].
+    """
+    T = logits.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int64)
+    for t in range(T):
+        row = logits[t].tolist()
+        vis = [p for p, v in enumerate(row) if v != float("-inf")]
+        best = sorted(vis, key=lambda p: (-row[p], p))[:topk]
+        out[t, : len(best)] = torch.tensor(sorted(best), dtype=torch.int64)
+    return out
+
+
+def reference_sparse_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: list[torch.Tensor],
+    k_pe: list[torch.Tensor],
+    new_lens: list[int],
+    indices: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense absorbed attention (MQA over [c_kv ; k_pe], values c_kv) in float64 with a mask
+    built from each query token's index set (-1 entries ignored): the sparse attention's
+    oracle. A token with no index gets o = 0, lse = -inf.
+
+    Args:
+        q_lat: [T, H, r]; q_pe: [T, H, rope]; c_kv / k_pe: per request [L_i, r] / [L_i, rope]
+            (the values the cache holds); indices: [T, k] logical positions.
+    Returns:
+        (o float64 [T, H, r], lse float64 [T, H]).
+    """
+    T, H, r = q_lat.shape
+    o = torch.zeros(T, H, r, dtype=torch.float64)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    row = 0
+    for c, kp, n in zip(c_kv, k_pe, new_lens, strict=True):
+        key = torch.cat([c, kp], -1).double()  # [L, r + rope]
+        L = key.shape[0]
+        for _ in range(n):
+            chosen = {int(i) for i in indices[row].tolist() if i >= 0}
+            if chosen:
+                mask = torch.tensor([p in chosen for p in range(L)])
+                q = torch.cat([q_lat[row], q_pe[row]], -1).double()  # [H, D]
+                s = (q @ key.T) * scale
+                s = s.masked_fill(~mask[None, :], float("-inf"))
+                lse[row] = torch.logsumexp(s, -1)
+                o[row] = torch.softmax(s, -1) @ c.double()
+            row += 1
+    return o, lse

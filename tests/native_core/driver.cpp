@@ -16,6 +16,12 @@
 //   head_gemm   pack_heads_items + head_gemm_items (bf16): x [T, H, K] · w [H, K, N] -> "y", "packed"
 //   decompress  decompress core (bf16): latent [L, r + rope], W_UK, W_UV -> "k", "v"
 //   mha         the normal path's MHA core (bf16): q, k, v -> "o", "lse"
+//   indexer     core::indexer (the DSA lightning indexer, csrc/indexer.cpp): q [T, Hi, Di] at
+//               element strides, weights, the paged index cache (fp8 pages or plain keys), bt /
+//               cu / kvl -> "out" [T, topk] int32 (topk > 0) or "logits" [T, width] float32
+//               (-inf where not written), or "error"
+//   sparse      core::sparse_attention (csrc/sparse_attention.cpp): the attention case's fields
+//               plus "idx" [T, K] int32 and "tok_req" [T] int32 -> "out", "lse", or "error"
 //   widen       vec::VecF::load_bf16 / load_bf16_n: x [N] bf16 bits (N a multiple of the
 //               level's W) -> "y" [W][N] fp32 bits: row 0 widened in whole vectors, row n
 //               (0 < n < W) in chunks of n lanes, each copied first into a heap buffer of
@@ -27,7 +33,9 @@
 // (after attention_core.h: their file-local names must not be visible to its definitions)
 #include "decompress.cpp"
 #include "head_gemm.cpp"
+#include "indexer.cpp"
 #include "mha_prefill.cpp"
+#include "sparse_attention.cpp"
 
 #include <cstdio>
 #include <fstream>
@@ -148,7 +156,8 @@ int64_t row_bytes(int64_t mode, int64_t r, int64_t rope, int64_t es) {
   return core::DsLayout(r, rope, es).width;
 }
 
-std::string run_attention(Case& c) {
+// the attention case's Params (q, cache, block table, lengths; out / lse made), and its Bounds
+core::Params attention_params(Case& c, core::Bounds& b) {
   const int64_t qdt = c.i("qdt"), mode = c.i("mode"), es = dtype_size(qdt);
   const int64_t H = c.i("H"), r = c.i("r"), rope = c.i("rope"), B = c.i("B"), T = c.i("T");
   const int64_t ps = c.i("page_size"), np = c.i("num_pages"), rows = c.i("bt_rows"), width = c.i("bt_width");
@@ -168,9 +177,54 @@ std::string run_attention(Case& c) {
   P.tiles = dsl.tiles, P.ds_scale_off = dsl.scale_off, P.ds_rope_off = dsl.rope_off;
   P.out = c.make<char>("out", std::max<int64_t>(T, 0) * H * r * es);
   P.lse = c.make<float>("lse", std::max<int64_t>(T, 0) * H);
-  const core::Bounds b{T, rows, width, c.i("max_page_id")};
-  return core::absorbed_attention(P, b, dtype(qdt), static_cast<int>(mode), c.i("splits"),
+  b = core::Bounds{T, rows, width, c.i("max_page_id")};
+  return P;
+}
+
+std::string run_attention(Case& c) {
+  core::Bounds b;
+  const core::Params P = attention_params(c, b);
+  return core::absorbed_attention(P, b, dtype(c.i("qdt")), static_cast<int>(c.i("mode")), c.i("splits"),
                                   parallel(c.i("threads")));
+}
+
+std::string run_sparse(Case& c) {
+  core::Bounds b;
+  const core::Params P = attention_params(c, b);
+  core::SparseIndex S;
+  S.K = c.i("K"), S.idx_s0 = S.K;
+  S.idx = c.arr<int32_t>("idx", b.T * S.K), S.tok_req = c.arr<int32_t>("tok_req", b.T);
+  return core::sparse_attention(P, b, S, dtype(c.i("qdt")), static_cast<int>(c.i("mode")),
+                                parallel(c.i("threads")));
+}
+
+std::string run_indexer(Case& c) {
+  core::IndexParams P;
+  const int64_t T = c.i("T"), Hi = c.i("Hi"), Di = c.i("Di"), B = c.i("B");
+  const int64_t ps = c.i("page_size"), np = c.i("num_pages"), rows = c.i("bt_rows"), width = c.i("bt_width");
+  const int64_t qdt = c.i("q_dt"), kind = c.i("kind"), qbs = c.i("qbs");
+  const int64_t qes = qdt == core::kIdxQE4M3 ? 1 : (qdt == core::kIdxQF32 ? 4 : 2);
+  const int64_t kes = kind == core::kIdxFp8 ? 1 : (kind == core::kIdxF32 ? 4 : 2);
+  const int64_t W = kind == core::kIdxFp8 ? Di + 4 * (Di / std::max<int64_t>(qbs, 1)) : Di;
+  const int64_t s0 = c.i("q_s0"), s1 = c.i("q_s1");
+  P.T = T, P.Hi = Hi, P.Di = Di, P.B = B, P.page_size = ps, P.num_pages = np;
+  P.q = c.arr<char>("q", qes * extent({{T, s0}, {Hi, s1}, {Di, 1}})), P.q_s0 = s0 * qes, P.q_s1 = s1 * qes;
+  P.q_dt = static_cast<int>(qdt);
+  P.w = c.arr<float>("w", T * Hi), P.w_s0 = Hi;
+  P.cache = c.arr<uint8_t>("cache", np * ps * W * kes), P.c_s0 = ps * W * kes;
+  P.kind = static_cast<int>(kind), P.qbs = qbs;
+  P.bt = c.arr<int32_t>("bt", rows * width), P.bt_s0 = width;
+  P.cu = c.arr<int32_t>("cu", B + 1), P.kvl = c.arr<int32_t>("kvl", B);
+  const int64_t topk = c.i("topk");
+  if (topk > 0) {
+    P.out = c.make<int32_t>("out", T * topk), P.topk = topk;
+  } else {
+    const int64_t lw = c.i("width");
+    P.logits = c.make<float>("logits", T * lw), P.logits_s0 = lw, P.width = lw;
+    std::fill(P.logits, P.logits + T * lw, -std::numeric_limits<float>::infinity());
+  }
+  const core::Bounds b{T, rows, width, c.i("max_page_id")};
+  return core::indexer(P, b, parallel(c.i("threads")));
 }
 
 std::string run_write(Case& c) {
@@ -293,6 +347,8 @@ std::string run_case(Case& c) {
   const Bytes& op = c.raw("op");
   const std::string name(op.begin(), op.end());
   if (name == "attention") return run_attention(c);
+  if (name == "sparse") return run_sparse(c);
+  if (name == "indexer") return run_indexer(c);
   if (name == "write") return run_write(c);
   if (name == "head_gemm") return run_head_gemm(c);
   if (name == "decompress") return run_decompress(c);

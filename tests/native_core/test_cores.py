@@ -41,13 +41,15 @@ import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops.native import build, host_isas
 from mla_backend.testing import core_driver as cd
-from mla_backend.testing.cases import make_case
+from mla_backend.testing.cases import make_case, make_dsa_case
+from mla_backend.testing.dsa_checks import check_logits, check_sparse, check_topk, logit_bound
 from mla_backend.testing.native_checks import (
     ATTENTION_DTYPES,
     check_absorbed,
     check_bf16_gemm,
     check_mha,
 )
+from mla_backend.testing.reference import reference_indexer_logits, reference_topk
 
 FP8, DS = torch.float8_e4m3fn, torch.uint8
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -62,7 +64,7 @@ TIMEOUT = {"native": 300, "emulated": 600}  # seconds per driver run (all cases)
 SVE_MAX_COST = 300_000
 SVE_ALSO = re.compile(
     r"att-splits3-|att-heads128-page(16|64)-bfloat16|mha-H3-65x65|mha-H4-100x30|head-gemm-T13-"
-    r"|decompress-L300-"
+    r"|decompress-L300-|sparse-splits-|sparse-heads128-|idx-topk-uint8-float8"
 )
 
 
@@ -88,6 +90,11 @@ def _cost(f: dict[str, cd.Field]) -> int:
         return g["L"] * g["H"] * g["r"] * (g["nope"] + g["vdim"])
     if f["op"] == "mha":
         return g["H"] * g["Lq"] * max(g["Lk"], 1) * (g["D"] + g["Dv"])
+    if f["op"] == "indexer":
+        kvl = f["kvl"].tolist()  # type: ignore[union-attr]
+        return g["T"] * max(kvl, default=0) * g["Hi"] * g["Di"]
+    if f["op"] == "sparse":
+        return g["T"] * g["K"] * g["H"] * (g["r"] + g["rope"])
     return 0
 
 
@@ -292,6 +299,122 @@ def _refusal_specs() -> list[Spec]:
                     refusal=parts,
                 )
             )
+    return specs
+
+
+# ---- DSA: the lightning indexer and the sparse attention --------------------------------------
+IDX_Q = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, FP8: 3}
+IDX_KIND = {torch.uint8: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+DSA_RAGGED = ([0, 9, 70, 3, 130], [5, 1, 6, 0, 2])
+
+
+def _indexer(name: str, Hi: int, Di: int, prefix: list[int], new: list[int], page: int,
+             index_dtype: torch.dtype, q_dtype: torch.dtype, topk: int, *, seed: int = 0,
+             threads: int = 1, distinct: int = 0, bad_page: bool = False) -> Spec:  # fmt: skip
+    """The indexer core on a DSA case: top-k (topk > 0) or the logits (topk = 0)."""
+    d = make_dsa_case(mb.MLADims(2, 16, 8, 4, 8), mb.IndexerDims(Hi, Di, max(topk, 1)),
+                      prefix, new, page, dtype=torch.bfloat16, index_dtype=index_dtype,
+                      q_dtype=q_dtype, seed=seed, impl="torch", distinct_keys=distinct)  # fmt: skip
+    bt = d.case.batch.block_table.to(torch.int32).clone()
+    if bad_page:
+        bt[1, 0] = d.index_cache.shape[0]
+    T, W = sum(new), max(p + n for p, n in zip(prefix, new))
+    lay = mb.IndexCacheLayout.of(d.index_cache, Di)
+    fields: dict[str, cd.Field] = dict(
+        op="indexer", T=T, Hi=Hi, Di=Di, B=len(prefix), page_size=page,
+        num_pages=d.index_cache.shape[0], bt_rows=bt.shape[0], bt_width=bt.shape[1],
+        q=d.q_I.view(torch.uint8) if q_dtype == FP8 else d.q_I, q_dt=IDX_Q[q_dtype],
+        q_s0=d.q_I.stride(0), q_s1=d.q_I.stride(1), w=d.weights, cache=d.index_cache,
+        kind=IDX_KIND[index_dtype], qbs=lay.quant_block_size, bt=bt,
+        cu=torch.tensor(d.case.batch.cu_new, dtype=torch.int32),
+        kvl=torch.tensor(d.case.batch.kv_lens, dtype=torch.int32), max_page_id=-1, topk=topk,
+        width=W, threads=threads,
+    )  # fmt: skip
+    if bad_page:
+        return Spec(name, fields, _refused("block_table[1, 0] = ", "is not a page of the cache"))
+    exact = q_dtype in (torch.bfloat16, FP8) and index_dtype in (torch.uint8, torch.bfloat16)
+
+    def check(out: dict[str, bytes]) -> None:
+        assert "error" not in out, out.get("error", b"").decode()
+        ref = reference_indexer_logits(d.q_I, d.weights, d.keys, d.case.batch.new_lens)
+        tol = logit_bound(d, not exact)
+        if topk == 0:
+            check_logits(cd.tensor(out["logits"], torch.float32, (T, W)), ref, tol)
+            return
+        idx = cd.tensor(out["out"], torch.int32, (T, topk))
+        if distinct:
+            assert torch.equal(idx.long(), reference_topk(ref, topk))
+        else:
+            check_topk(idx, ref, topk, tol)
+
+    return Spec(name, fields, check)
+
+
+def _sparse(name: str, H: int, prefix: list[int], new: list[int], page: int, qdt: torch.dtype,
+            cdt: torch.dtype, K: int, *, seed: int = 0, threads: int = 1,
+            bad: int | None = None) -> Spec:  # fmt: skip
+    """The sparse attention core: index lists from the oracle's top-k of a DSA case, -1
+    padded and shuffled per token (``bad``: one entry past its request)."""
+    r, rope = 40, 8
+    d = make_dsa_case(mb.MLADims(H, r, 8, rope, 8), mb.IndexerDims(4, 32, K), prefix, new,
+                      page, dtype=qdt, cache_dtype=cdt, seed=seed, impl="torch")  # fmt: skip
+    ref = reference_indexer_logits(d.q_I, d.weights, d.keys, d.case.batch.new_lens)
+    idx = reference_topk(ref, K)
+    g = torch.Generator().manual_seed(seed)
+    for t in range(idx.shape[0]):
+        idx[t] = idx[t, torch.randperm(K, generator=g)]
+    idx = idx.to(torch.int32)
+    if bad is not None:
+        idx[0, 0] = bad
+    T = idx.shape[0]
+    q = torch.randn(T, H, r + rope, generator=g).to(qdt)
+    scale = 1.0 / math.sqrt(r + rope)
+    kvs = float(d.case.kv_scale) if d.case.kv_scale is not None else 1.0
+    bt = d.case.batch.block_table.to(torch.int32)
+    tok_req = [i for i, n in enumerate(new) for _ in range(n)]
+    fields: dict[str, cd.Field] = dict(
+        op="sparse", qdt=DT_CODE[qdt], mode=2 if cdt == DS else (1 if cdt == FP8 else 0), H=H,
+        r=r, rope=rope, B=len(prefix), T=T, page_size=page, num_pages=d.case.kv_cache.shape[0],
+        bt_rows=bt.shape[0], bt_width=bt.shape[1], q_s0=q.stride(0), q_s1=q.stride(1), q=q,
+        cache=d.case.kv_cache, bt=bt, cu=torch.tensor(d.case.batch.cu_new, dtype=torch.int32),
+        kvl=torch.tensor(d.case.batch.kv_lens, dtype=torch.int32), scale=scale, kv_scale=kvs,
+        splits=0, max_page_id=-1, threads=threads, K=K, idx=idx,
+        tok_req=torch.tensor(tok_req, dtype=torch.int32),
+    )  # fmt: skip
+    if bad is not None:
+        return Spec(name, fields, _refused("index out of range: indices[0, 0] = "))
+
+    def check(out: dict[str, bytes]) -> None:
+        assert "error" not in out, out.get("error", b"").decode()
+        o = cd.tensor(out["out"], qdt, (T, H, r))
+        lse = cd.tensor(out["lse"], torch.float32, (T, H))
+        check_sparse(d, o, lse, q[..., :r], q[..., r:], idx, scale, qdt)
+
+    return Spec(name, fields, check)
+
+
+def _dsa_specs() -> list[Spec]:
+    specs = []
+    kinds = [(torch.uint8, torch.bfloat16), (torch.uint8, FP8), (torch.bfloat16, torch.bfloat16),
+             (torch.float32, torch.float32), (torch.float16, torch.float16)]  # fmt: skip
+    for k, ((idt, qdt), page) in enumerate(itertools.product(kinds, (1, 16, 64))):
+        specs.append(_indexer(f"idx-topk-{_dt(idt)}-{_dt(qdt)}-page{page}", 8, 64, *DSA_RAGGED,
+                              page, idt, qdt, 7, seed=k, threads=1 + k % 2))  # fmt: skip
+    specs.append(_indexer("idx-logits-fp8", 5, 64, *DSA_RAGGED, 16, torch.uint8, FP8, 0))
+    specs.append(_indexer("idx-logits-f32", 3, 48, *DSA_RAGGED, 1, torch.float32, torch.float32,
+                          0))  # fmt: skip
+    specs.append(_indexer("idx-ties-bf16", 8, 32, *DSA_RAGGED, 16, torch.bfloat16,
+                          torch.bfloat16, 10, distinct=3))  # fmt: skip
+    specs.append(_indexer("idx-splits-decode", 64, 128, [2500, 1800], [1, 1], 16, torch.uint8,
+                          FP8, 300, threads=2))  # fmt: skip
+    specs.append(_indexer("refuse-idx-page", 4, 32, *DSA_RAGGED, 16, torch.uint8,
+                          torch.bfloat16, 4, bad_page=True))  # fmt: skip
+    for k, (qdt, cdt) in enumerate(DTYPES):
+        specs.append(_sparse(f"sparse-{_dt(qdt)}-{_dt(cdt)}", 5, *DSA_RAGGED, 16, qdt, cdt, 12,
+                             seed=k, threads=1 + k % 2))  # fmt: skip
+    specs.append(_sparse("sparse-heads128-bf16", 128, [40, 300], [2, 1], 64, BF16, BF16, 64))
+    specs.append(_sparse("sparse-splits-fp8", 16, [900], [1], 1, BF16, FP8, 600, threads=2))
+    specs.append(_sparse("refuse-sparse-index", 4, *DSA_RAGGED, 16, F32, F32, 6, bad=10**6))
     return specs
 
 
@@ -582,7 +705,7 @@ TARGETS = cd.targets(_host_levels())
 def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Spec]]:
     """Every case written once: (folder, name -> spec)."""
     folder = tmp_path_factory.mktemp("core_cases")
-    specs = _attention_specs() + _write_specs() + _gemm_specs() + [_widen_spec()]
+    specs = _attention_specs() + _write_specs() + _gemm_specs() + _dsa_specs() + [_widen_spec()]
     names = [s.name for s in specs]
     assert len(set(names)) == len(names), "duplicate case names"
     for s in specs:

@@ -16,7 +16,9 @@
   cores over raw pointers, threads through a callback), ``amx_attention.h`` (its AMX-BF16
   engine), ``amx_tiles.h`` (AMX tile configuration and OS permission), ``mla_cpu.cpp`` (the
   torch layer: checks, the ``torch.library`` registration), ``head_gemm.cpp`` /
-  ``mha_prefill.cpp`` (absorption GEMMs, normal-path MHA).
+  ``mha_prefill.cpp`` (absorption GEMMs, normal-path MHA), ``indexer.cpp`` (DSA's lightning
+  indexer: its logits as a GEMM over ``gemm_core.h``, the streaming top-k) and
+  ``sparse_attention.cpp`` (DSA's sparse absorbed attention over the engines above).
 
 Engines of the absorbed attention (:mod:`.engine` holds the one rule that picks them per level
 and CPU, ``MLA_BACKEND_NATIVE_ENGINE`` overrides it): the fp32 engine (any q / cache dtype;

@@ -37,8 +37,11 @@ This module owns:
   (``csrc/mla_cpu.cpp``), ``native_pack_heads`` / ``native_head_gemm`` (``csrc/head_gemm.cpp``:
   the per-head absorption GEMMs), ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the
   normal path's MHA) and ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` /
-  ``c_kv · W_UV``), the last three over the torch-free GEMM engine ``csrc/gemm_core.h``, with
-  fake (meta) implementations, so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
+  ``c_kv · W_UV``), the last three over the torch-free GEMM engine ``csrc/gemm_core.h``;
+  DSA's ``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the
+  same GEMM engine) and ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the
+  absorbed attention's engines); with fake (meta) implementations, so ``torch.compile`` /
+  ``FakeTensorMode`` treat them as opaque.
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ __all__ = [
 ]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp")
+_SOURCES = (
+    "mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp", "indexer.cpp",
+    "sparse_attention.cpp",
+)  # fmt: skip
 _HEADERS = (
     "mla_cpu.h",
     "vec.h",
@@ -446,6 +452,21 @@ def _register_fakes(ns: str) -> None:
     def _(c_kv, k_pe, W_UK, W_UV):
         L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
         return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
+
+    @torch.library.register_fake(f"{ns}::native_indexer_topk")
+    def _(q_I, weights, index_cache, block_table, cu, kv_lens, quant_block_size, topk,
+          max_page_id, out):  # fmt: skip
+        return None
+
+    @torch.library.register_fake(f"{ns}::native_indexer_logits")
+    def _(q_I, weights, index_cache, block_table, cu, kv_lens, quant_block_size, width,
+          max_page_id):  # fmt: skip
+        return weights.new_empty((q_I.shape[0], width))
+
+    @torch.library.register_fake(f"{ns}::native_sparse_attention")
+    def _(q_lat, q_pe, kv_cache, block_table, cu, kv_lens, indices, token_req, softmax_scale,
+          kv_scale, max_page_id, engine, out, lse):  # fmt: skip
+        return None
 
     @torch.library.register_fake(f"{ns}::native_fp8_decode")
     def _(data, bf16):

@@ -4,7 +4,9 @@ use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
 :meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
 ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: torch's bmm, mm and SDPA); the
-normal path's cache reads from the shared helpers (:mod:`mla_backend.ops.paged`)."""
+normal path's cache reads from the shared helpers (:mod:`mla_backend.ops.paged`); DSA's indexer
+(logits, top-k) and sparse attention from their C++ kernels, the index-key write from the torch
+helper (:mod:`mla_backend.ops.indexer`)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from ...cost import DeviceProfile
 from ...weights import absorb_q, apply_W_UV
-from .. import dense, paged, sdpa
+from .. import dense, indexer, paged, sdpa
 from . import ops as native
 from .build import ISA_LEVELS, selected_isa
 from .engine import attention_engine
@@ -26,7 +28,8 @@ from .profile import profile_for
 if TYPE_CHECKING:
     from ...cache_layout import CacheLayout
     from ...dims import MLADims
-    from ...parts import PlanPart
+    from ...index_cache import IndexCacheLayout
+    from ...parts import PlanPart, SparsePart
     from ...weights import AbsorbWeights
 
 
@@ -54,6 +57,7 @@ class Kernels:
     name = "native"
     # shared helpers (composition: each is the same function in every implementation)
     gather_latent = staticmethod(paged.gather_latent)
+    write_index_keys = staticmethod(indexer.write_index_keys)
 
     def __init__(self, isa: str | None = None, *, num_kv_splits: int = 0) -> None:
         if num_kv_splits < 0:
@@ -195,3 +199,73 @@ class Kernels:
             part.max_page_id,
             isa=self.level,
         )
+
+    @staticmethod
+    def _native_index(layout: IndexCacheLayout) -> bool:
+        """Whether the native indexer takes this index cache (an fp8 cache's quant block
+        even, at most 64 scales per key, where a key has several)."""
+        if layout.kind != "fp8" or layout.scales_per_key == 1:
+            return True
+        return layout.quant_block_size % 2 == 0 and layout.scales_per_key <= 64
+
+    def indexer_logits(
+        self,
+        q_I: torch.Tensor,
+        weights: torch.Tensor,
+        index_cache: torch.Tensor,
+        layout: IndexCacheLayout,
+        part: PlanPart,
+        sparse_part: SparsePart,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self._native_index(layout):
+            return indexer.indexer_logits(
+                q_I, weights, index_cache, layout, part, sparse_part, out
+            )
+        res = native.indexer_logits(
+            q_I, weights, index_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
+            layout.quant_block_size, sparse_part.max_kv_len, part.max_page_id, isa=self.level,
+        )  # fmt: skip
+        return res if out is None else out.copy_(res)
+
+    def indexer_topk(
+        self,
+        q_I: torch.Tensor,
+        weights: torch.Tensor,
+        index_cache: torch.Tensor,
+        layout: IndexCacheLayout,
+        part: PlanPart,
+        sparse_part: SparsePart,
+        topk: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self._native_index(layout):
+            return indexer.indexer_topk(
+                q_I, weights, index_cache, layout, part, sparse_part, topk, out
+            )
+        return native.indexer_topk(
+            q_I, weights, index_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
+            layout.quant_block_size, topk, part.max_page_id, out, isa=self.level,
+        )  # fmt: skip
+
+    def sparse_absorbed_attention(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: CacheLayout,
+        part: PlanPart,
+        sparse_part: SparsePart,
+        indices: torch.Tensor,
+        softmax_scale: float,
+        kv_scale: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # page ids were bounds-checked at the entry point (part.max_page_id); the op checks
+        # every index against its request's kv length before reading the cache
+        return native.sparse_attention(
+            q_lat, q_pe, kv_cache, part.block_table, part.cu_new_t, part.kv_lens_t, indices,
+            sparse_part.token_req_t, softmax_scale, kv_scale, part.max_page_id, out, lse,
+            isa=self.level,
+        )  # fmt: skip

@@ -179,3 +179,97 @@ def decompress(
     """
     k, v = op_namespace(isa).native_decompress(c_kv, k_pe, W_UK, W_UV)
     return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def indexer_topk(
+    q_I: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    quant_block_size: int,
+    topk: int,
+    max_page_id: int = -1,
+    out: torch.Tensor | None = None,
+    *,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """The DSA indexer's causal top-k per query token (``csrc/indexer.cpp``).
+
+    Args:
+        q_I: [T, Hi, Di] bf16 / fp16 / fp32 / float8_e4m3fn, last dim contiguous.
+        weights: [T, Hi] float32 (every scale folded in).
+        index_cache: uint8 [pages, page_size, Di + 4 Di / quant_block_size] (vLLM's fp8 index
+            cache) or bf16 / fp16 / fp32 [pages, page_size, Di]; pages contiguous.
+        block_table / cu_seqlens_q / kv_lens: as :func:`absorbed_attention`; query row j of
+            request i sits at position kv_len - n + j and sees positions <= it.
+        quant_block_size: values per scale (fp8 cache).
+        topk: positions per token; out: optional [T, topk] int32 contiguous.
+    Returns:
+        [T, topk] int32: the best ``min(topk, visible)`` positions (rank rule of
+        :mod:`mla_backend.ops.indexer`), ascending, then -1.
+    """
+    if out is None:
+        out = torch.empty(q_I.shape[0], topk, dtype=torch.int32)
+    op_namespace(isa).native_indexer_topk(
+        q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, int(quant_block_size),
+        int(topk), int(max_page_id), out,
+    )  # fmt: skip
+    return out
+
+
+def indexer_logits(
+    q_I: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    quant_block_size: int,
+    width: int,
+    max_page_id: int = -1,
+    *,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """The DSA indexer's scores, float32 [T, width] (-inf where a token does not see the
+    position); arguments as :func:`indexer_topk`."""
+    return op_namespace(isa).native_indexer_logits(
+        q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, int(quant_block_size),
+        int(width), int(max_page_id),
+    )  # fmt: skip
+
+
+def sparse_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    indices: torch.Tensor,
+    token_req: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    max_page_id: int = -1,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    *,
+    isa: str | None = None,
+    engine: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSA's sparse absorbed attention (``csrc/sparse_attention.cpp``): q_lat [T, H, r], q_pe
+    [T, H, rope], the latent cache in any layout :func:`absorbed_attention` reads, indices
+    [T, k] int32 (logical positions of the token's request, -1 = none), token_req [T] int32
+    (each token's request) -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32). An index
+    >= its request's kv length (or < -1) raises RuntimeError naming it, before any read."""
+    level = require(isa)
+    T, H, r = q_lat.shape
+    o = out if out is not None else torch.empty(T, H, r, dtype=q_lat.dtype)
+    l = lse if lse is not None else torch.empty(T, H, dtype=torch.float32)
+    code = engine_code(attention_engine(level) if engine is None else engine)
+    op_namespace(level).native_sparse_attention(
+        q_lat, q_pe, kv_cache, block_table, cu_seqlens_q, kv_lens, indices, token_req,
+        float(softmax_scale), kv_scale, int(max_page_id), code, o, l,
+    )  # fmt: skip
+    return o, l

@@ -1,6 +1,7 @@
 """The torch implementation of the kernel interface (runs everywhere; the fallback): the cache
 write (:mod:`.write`), the absorbed attention's strategies (:mod:`.absorbed`), and the shared
-helpers of :mod:`mla_backend.ops` for the normal path's cache reads and MHA."""
+helpers of :mod:`mla_backend.ops` for the normal path's cache reads and MHA and for DSA (the
+indexer, :mod:`mla_backend.ops.indexer`; the sparse attention, :mod:`mla_backend.ops.sparse`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from ...cache_layout import CacheLayout
 from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ...weights import AbsorbWeights, absorb_q, apply_W_UV
-from .. import dense, paged, sdpa
+from .. import dense, indexer, paged, sdpa, sparse
 from . import absorbed
 from .write import write_latent
 
@@ -37,6 +38,10 @@ class Kernels:
     attention_with_lse = staticmethod(sdpa.attention_with_lse)
     decompress = staticmethod(dense.decompress)
     gather_latent = staticmethod(paged.gather_latent)
+    write_index_keys = staticmethod(indexer.write_index_keys)
+    indexer_logits = staticmethod(indexer.indexer_logits)
+    indexer_topk = staticmethod(indexer.indexer_topk)
+    sparse_absorbed_attention = staticmethod(sparse.sparse_absorbed_attention)
 
     def __init__(self, **knobs: int) -> None:
         self.tuning = absorbed.Tuning(**knobs)

@@ -1,7 +1,9 @@
 """The Triton implementation of the device seam (:class:`Kernels`): the custom ops of
 :mod:`.ops` for the cache write and the absorbed attention (with its plan-time schedule,
 :mod:`.schedule`); the normal path's cache reads and MHA (torch's fused SDPA) from the helpers
-every implementation shares."""
+every implementation shares, and DSA's indexer and sparse attention in plain torch from the
+shared helpers (:mod:`mla_backend.ops.indexer`, :mod:`mla_backend.ops.sparse`) until Triton
+kernels of their own exist."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import triton
 
 from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ...weights import absorb_q, apply_W_UV
-from .. import dense, paged, sdpa
+from .. import dense, indexer, paged, sdpa, sparse
 from . import ops as triton_ops  # by module: tests reload it and patch its functions
 from . import schedule
 from .jit import heuristics as hx
@@ -45,6 +47,10 @@ class Kernels:
     attention_with_lse = staticmethod(sdpa.attention_with_lse)
     decompress = staticmethod(dense.decompress)
     gather_latent = staticmethod(paged.gather_latent)
+    write_index_keys = staticmethod(indexer.write_index_keys)
+    indexer_logits = staticmethod(indexer.indexer_logits)
+    indexer_topk = staticmethod(indexer.indexer_topk)
+    sparse_absorbed_attention = staticmethod(sparse.sparse_absorbed_attention)
 
     def __init__(
         self,

@@ -1154,7 +1154,7 @@ inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int 
 }
 
 // n floats -> n values of dtype dt (bf16 / fp16 round to nearest even, as torch's .to()).
-void store_as(char* dst, const float* src, int64_t n, DType dt) {
+inline void store_as(char* dst, const float* src, int64_t n, DType dt) {
   if (dt == DType::kBF16) store_row(reinterpret_cast<vec::bf16_t*>(dst), src, n, 1.0f);
   else if (dt == DType::kF16) store_row(reinterpret_cast<vec::fp16_t*>(dst), src, n, 1.0f);
   else std::memcpy(dst, src, n * sizeof(float));
@@ -1174,7 +1174,7 @@ inline void store_e4m3_row(uint8_t* dst, const float* x, int64_t n, float div) {
 // per tile of 128 c_kv values scale = max(amax(|x|) / 448, FLT_MIN) (fp32; NaN propagates like
 // torch.amax / clamp), stored = e4m3(clamp(x / scale, -448, 448)), the scale's float32 bytes,
 // zero bytes between r and the scales, then k_pe converted to `rope_dt`.
-void write_ds_row(uint8_t* dst, const float* x, const float* kp, int64_t r, int64_t rope,
+inline void write_ds_row(uint8_t* dst, const float* x, const float* kp, int64_t r, int64_t rope,
                   const DsLayout& L, DType rope_dt) {
   for (int64_t t = 0; t < L.tiles; ++t) {
     const int64_t j0 = t * kDsTile, j1 = std::min<int64_t>(r, j0 + kDsTile);

@@ -1,0 +1,333 @@
+// DSA's sparse absorbed attention: each query token attends to the latent rows of its own index
+// list (logical positions of its request, -1 = no entry), over every latent layout the dense
+// absorbed attention reads (bf16 / fp16 / fp32, per-tensor fp8, fp8_ds_mla).
+//
+//   o[t, h] = sum_{c in S_t} softmax_c(scale * (q_lat[t, h] . c_kv[c] + q_pe[t, h] . k_pe[c]))
+//             * c_kv[c],    lse[t, h] = log sum_c exp(...)    (o = 0, lse = -inf for S_t empty)
+//
+// Organisation: work items are (query token, block of heads, split of its index list); an item
+// compacts the valid entries of its slice into byte offsets of cache rows (page lookups through
+// the block table) and streams them, in tiles, through the dense absorbed attention's engines
+// (attention_core.h: the fp32 engine at every level, the AVX512-BF16 and AMX engines where the
+// build and the call allow them, chosen by the same `engine` bits), which take a tile as a list
+// of row offsets: the same inner math (scores, online softmax, P.V) as the dense path, with no
+// causal mask (every selected row is visible). Splits are merged through their LSE as the dense
+// path's. Every index is checked before anything is read: an entry >= its request's kv length
+// or < -1 is refused naming the token, the entry and the range.
+#ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "attention_core.h"
+
+namespace mla_native {
+namespace core {
+
+// The call's index lists: idx [T, K] int32 at row stride idx_s0; token t belongs to request
+// tok_req[t] (of P's B requests).
+struct SparseIndex {
+  const int32_t* idx = nullptr;
+  int64_t K = 0, idx_s0 = 0;
+  const int32_t* tok_req = nullptr;
+};
+
+// "" when every entry is -1 or a position of its token's request, else the first bad one.
+inline std::string validate_indices(const Params& P, const SparseIndex& S, int64_t T) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t req = S.tok_req[t];
+    if (req < 0 || req >= P.B)
+      return detail::cat("token ", t, " belongs to request ", req, ", not one of 0 .. ", P.B - 1);
+    const int64_t L = P.kvl[req];
+    const int32_t* row = S.idx + t * S.idx_s0;
+    for (int64_t c = 0; c < S.K; ++c)
+      if (row[c] < -1 || row[c] >= L)
+        return detail::cat("sparse attention: index out of range: indices[", t, ", ", c, "] = ", row[c],
+                           " (valid: -1 for no entry, or 0 .. ", L - 1, " of request ", req, ")");
+  }
+  return {};
+}
+
+template <typename QT, class Engine>
+void run_sparse_item(const Params& P, const SparseIndex& S, const Item& it, Engine& E, std::vector<int64_t>& offs,
+                     float* mrow, float* lrow, int64_t* lim) {
+  const int64_t t = it.req;  // items are per token here
+  const int64_t i = S.tok_req[t], H = P.H, ps = P.page_size;
+  // the slice's valid entries as byte offsets of their cache rows
+  offs.clear();
+  const int32_t* row = S.idx + t * S.idx_s0;
+  for (int64_t c = it.kv0; c < it.kv1; ++c) {
+    const int64_t pos = row[c];
+    if (pos < 0) continue;
+    offs.push_back(static_cast<int64_t>(P.bt[i * P.bt_s0 + pos / ps]) * P.c_s0 + (pos % ps) * P.c_s1);
+  }
+  const int64_t nv = static_cast<int64_t>(offs.size());
+  constexpr int TN = EngineDims<Engine>::kTile;
+  offs.resize(static_cast<size_t>(nv + TN));  // the engines' next-tile cursor may read ahead
+  const int rows = it.nrows, rows_pad = E.pad_rows(rows);
+  for (int m = 0; m < rows_pad; ++m) {
+    if (m < rows) {
+      const int64_t h = it.row0 + m;
+      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.qpe + (t * P.qp_s0 + h * P.qp_s1));
+      lim[m] = nv;  // every selected row is visible
+    } else {
+      E.zero_q(m);
+      lim[m] = 0;
+    }
+    mrow[m] = -std::numeric_limits<float>::infinity();
+    lrow[m] = 0.0f;
+  }
+  E.start_item(rows_pad);
+  for (int64_t t0 = 0; t0 < nv; t0 += TN) {
+    const int nt = static_cast<int>(std::min<int64_t>(TN, nv - t0));
+    E.load_tile(offs.data() + t0, nt);
+    const int64_t t1 = t0 + TN;
+    const int nn = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TN, nv - t1)));
+    if constexpr (DefersPrefetch<Engine>::value) {
+      E.defer_prefetch(offs.data() + t1, nn);
+    } else {
+      for (int c = 0; c < nn; ++c) prefetch_row(P.cache + offs[t1 + c], P.row_bytes);
+    }
+    E.compute_tile(rows, nt, t0, lim, P.score_scale, mrow, lrow);
+  }
+  const int64_t r = P.r;
+  for (int m = 0; m < rows; ++m) {
+    const int64_t R = it.row0 + m;
+    float inv = 0.0f, lse = -std::numeric_limits<float>::infinity();
+    if (lrow[m] > 0.0f) {
+      inv = P.out_scale / lrow[m];
+      lse = mrow[m] + std::log(lrow[m]);
+    }
+    const float* o = E.orow(m);
+    if (it.nsplit == 1) {
+      const int64_t g = t * H + R;
+      store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
+      P.lse[g] = lse;
+    } else {
+      const int64_t pr = it.part_off + R * it.nsplit + it.split;
+      store_row(P.part_o + pr * r, o, r, inv);
+      P.part_lse[pr] = lse;
+    }
+  }
+}
+
+template <typename QT, class Engine>
+void run_sparse_items(const Params& P, const SparseIndex& S, const std::vector<Item>& items, const Parallel& par) {
+  std::atomic<int64_t> next{0};
+  const int64_t nitems = static_cast<int64_t>(items.size());
+  if (nitems == 0) return;
+  const int64_t nthreads = std::min<int64_t>(par.threads, nitems);
+  auto worker = [&](int64_t, int64_t) {
+    Engine E(P);
+    constexpr int MR = EngineDims<Engine>::kRows;
+    std::vector<float> ml(2 * MR);
+    std::vector<int64_t> lim(MR), offs;
+    for (int64_t k; (k = next.fetch_add(1)) < nitems;)
+      run_sparse_item<QT, Engine>(P, S, items[k], E, offs, ml.data(), ml.data() + MR, lim.data());
+  };
+  if (nthreads <= 1) worker(0, 1);
+  else par.for_range(nthreads, 1, worker);
+}
+
+template <typename QT>
+void run_sparse_engines(const Params& P, const SparseIndex& S, const std::vector<Item>& items,
+                        const std::vector<Item>& amx_items, int mode, int engine, const Parallel& par) {
+  const bool ds = mode == kDs, fp8 = mode == kFp8;
+  if constexpr (std::is_same_v<QT, vec::bf16_t>) {
+#ifdef MLA_HAS_AMX
+    if (fp8) run_sparse_items<QT, AmxEngine<kFp8>>(P, S, amx_items, par);
+    else if (!ds) run_sparse_items<QT, AmxEngine<kPlain>>(P, S, amx_items, par);
+#endif
+#ifdef MLA_AVX512BF16
+    if (engine & kEngineBf16) {
+      if (ds) run_sparse_items<QT, Bf16Engine<kDs>>(P, S, items, par);
+      else if (fp8) run_sparse_items<QT, Bf16Engine<kFp8>>(P, S, items, par);
+      else run_sparse_items<QT, Bf16Engine<kPlain>>(P, S, items, par);
+      return;
+    }
+#endif
+  }
+  (void)amx_items;
+  (void)engine;
+  if (ds) run_sparse_items<QT, F32Engine<QT, uint8_t, kDs>>(P, S, items, par);
+  else if (fp8) run_sparse_items<QT, F32Engine<QT, uint8_t, kFp8>>(P, S, items, par);
+  else run_sparse_items<QT, F32Engine<QT, QT, kPlain>>(P, S, items, par);
+}
+
+// The whole call: checks (validate(P, b) for the block table and lengths, then every index),
+// plans items (token, block of heads, split of its list: splits where the tokens alone leave
+// threads idle), runs them and merges the splits. P.out [T, H, r] (q's dtype) and P.lse [T, H]
+// are written. Returns "" on success, else the refusal (nothing read).
+inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex& S, DType qdt, int mode,
+                                    const Parallel& par, int engine = kEngineDefault) {
+  if (std::string err = validate(P, b); !err.empty()) return err;
+  if (std::string err = validate_indices(P, S, b.T); !err.empty()) return err;
+  const int64_t T = b.T, H = P.H, r = P.r, K = S.K;
+  if (T == 0) return {};
+  const bool amx = (engine & kEngineAmx) && qdt == DType::kBF16 && mode != kDs && amx_available() &&
+                   H >= kAmxMinRows;
+  const int64_t rows_per = amx ? kAmxRows : kMaxRows;
+  const int64_t nb = ceil_div(H, rows_per), mb = ceil_div(H, nb);
+  const int64_t nthreads = std::max<int64_t>(1, par.threads);
+  // splits: enough items for the threads, slices of at least 256 entries
+  int64_t ns = std::max<int64_t>(1, ceil_div(4 * nthreads, T * nb));
+  ns = std::max<int64_t>(1, std::min<int64_t>(ns, K / 256));
+  const int64_t len = ceil_div(std::max<int64_t>(K, 1), ns);
+  ns = std::max<int64_t>(1, ceil_div(K, len));
+  std::vector<Item> items;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t bb = 0; bb < nb; ++bb)
+      for (int64_t s = 0; s < ns; ++s) {
+        Item it;
+        it.req = static_cast<int32_t>(t);
+        it.row0 = static_cast<int32_t>(bb * mb);
+        it.nrows = static_cast<int32_t>(std::min(mb, H - bb * mb));
+        it.split = static_cast<int32_t>(s);
+        it.nsplit = static_cast<int32_t>(ns);
+        it.kv0 = static_cast<int32_t>(s * len);
+        it.kv1 = static_cast<int32_t>(std::min(K, (s + 1) * len));
+        it.part_off = t * H * ns;
+        it.cost = 0;
+        items.push_back(it);
+      }
+  std::vector<float> part;
+  if (ns > 1) {
+    part.resize(static_cast<size_t>(T * H * ns * (r + 1)));
+    P.part_o = part.data();
+    P.part_lse = part.data() + T * H * ns * r;
+  }
+  const std::vector<Item> none;
+  const std::vector<Item>& vec_items = amx ? none : items;
+  const std::vector<Item>& amx_items = amx ? items : none;
+  if (qdt == DType::kBF16) run_sparse_engines<vec::bf16_t>(P, S, vec_items, amx_items, mode, engine, par);
+  else if (qdt == DType::kF16) run_sparse_engines<vec::fp16_t>(P, S, vec_items, amx_items, mode, engine, par);
+  else run_sparse_engines<float>(P, S, vec_items, amx_items, mode, engine, par);
+  if (ns > 1) {  // each token as a request of one query token: merge_splits's rows
+    std::vector<int32_t> ident(static_cast<size_t>(T + 1));
+    for (int64_t t = 0; t <= T; ++t) ident[t] = static_cast<int32_t>(t);
+    Params M = P;
+    M.cu = ident.data();
+    std::vector<std::pair<int64_t, int64_t>> reqs;
+    for (int64_t t = 0; t < T; ++t) reqs.push_back({t, ns});
+    if (qdt == DType::kBF16) merge_splits<vec::bf16_t>(M, reqs, par);
+    else if (qdt == DType::kF16) merge_splits<vec::fp16_t>(M, reqs, par);
+    else merge_splits<float>(M, reqs, par);
+  }
+  return {};
+}
+
+}  // namespace core
+
+#ifndef MLA_CORE_ONLY
+// ---- torch layer ------------------------------------------------------------------------
+namespace {
+
+core::DType sparse_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? core::DType::kBF16 : (t == at::kHalf ? core::DType::kF16 : core::DType::kF32);
+}
+
+at::Tensor as_i32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " dtype ", t.scalar_type(),
+              " is not supported; use int32");
+  return t.to(at::kInt).contiguous();
+}
+
+}  // namespace
+
+void sparse_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, const at::Tensor& kv_cache,
+                      const at::Tensor& block_table_in, const at::Tensor& cu_in, const at::Tensor& kv_lens_in,
+                      const at::Tensor& indices_in, const at::Tensor& token_req_in, double softmax_scale,
+                      const c10::optional<at::Tensor>& kv_scale, int64_t max_page_id, int64_t engine,
+                      const at::Tensor& out, const at::Tensor& lse) {
+  TORCH_CHECK(q_lat_in.device().is_cpu() && kv_cache.device().is_cpu(), "mla native sparse attention: CPU tensors");
+  TORCH_CHECK(q_lat_in.dim() == 3 && q_pe_in.dim() == 3 && kv_cache.dim() == 3,
+              "q_lat [T, H, r], q_pe [T, H, rope] and kv_cache [pages, page_size, W] expected, got ",
+              q_lat_in.sizes(), ", ", q_pe_in.sizes(), ", ", kv_cache.sizes());
+  const auto qdt = q_lat_in.scalar_type();
+  TORCH_CHECK(qdt == at::kBFloat16 || qdt == at::kHalf || qdt == at::kFloat, "q_lat dtype ", qdt,
+              " is not supported; use bfloat16, float16 or float32");
+  TORCH_CHECK(q_pe_in.scalar_type() == qdt, "q_pe dtype ", q_pe_in.scalar_type(), " != q_lat dtype ", qdt);
+  const auto cdt = kv_cache.scalar_type();
+  const bool fp8 = cdt == at::kFloat8_e4m3fn, ds = cdt == at::kByte;
+  TORCH_CHECK(cdt == qdt || fp8 || ds, "kv_cache dtype ", cdt, " is not supported with q dtype ", qdt);
+  const int64_t T = q_lat_in.size(0), H = q_lat_in.size(1), r = q_lat_in.size(2), rope = q_pe_in.size(2);
+  TORCH_CHECK(q_pe_in.size(0) == T && q_pe_in.size(1) == H, "q_pe shape ", q_pe_in.sizes(), " != q_lat's");
+  const core::DsLayout dsl(r, rope, q_lat_in.element_size());
+  TORCH_CHECK(kv_cache.size(2) == (ds ? dsl.width : r + rope), "kv_cache last dim ", kv_cache.size(2),
+              " does not match r = ", r, ", rope = ", rope);
+  TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous");
+  TORCH_CHECK(softmax_scale > 0.0 && std::isfinite(softmax_scale), "softmax_scale ", softmax_scale,
+              " must be a finite positive number");
+  if (engine < 0) engine = core::kEngineDefault;
+#ifndef MLA_AVX512BF16
+  TORCH_CHECK(!(engine & core::kEngineBf16), "engine=", engine, ": this level has no AVX512-BF16 engine");
+#endif
+  TORCH_CHECK(!(engine & core::kEngineAmx) || core::amx_available(), "engine=", engine, ": no AMX here");
+  at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
+  at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
+  at::Tensor bt = as_i32(block_table_in, "block_table"), cu = as_i32(cu_in, "cu_seqlens_q");
+  at::Tensor kvl = as_i32(kv_lens_in, "kv_lens"), treq = as_i32(token_req_in, "token_req");
+  at::Tensor idx = as_i32(indices_in, "indices");
+  TORCH_CHECK(bt.dim() == 2 && idx.dim() == 2 && idx.size(0) == T && treq.numel() == T,
+              "block_table [B, pages], indices [T, k] and token_req [T] expected, got ", bt.sizes(), ", ",
+              idx.sizes(), ", ", treq.sizes());
+  const int64_t B = kvl.numel();
+  TORCH_CHECK(cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1, "], got ", cu.sizes());
+  TORCH_CHECK(out.scalar_type() == qdt && out.is_contiguous() && out.numel() == T * H * r &&
+                  lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == T * H,
+              "out [T, H, r] in q's dtype and lse [T, H] float32, contiguous, expected");
+  float kvs = 1.0f;
+  if (kv_scale.has_value() && kv_scale->defined()) {
+    TORCH_CHECK(kv_scale->numel() == 1, "kv_scale must be a 0-d tensor, got shape ", kv_scale->sizes());
+    kvs = kv_scale->to(at::kCPU).to(at::kFloat).item<float>();
+    TORCH_CHECK(std::isfinite(kvs) && kvs > 0.0f, "kv_scale = ", kvs, " must be finite and > 0");
+  }
+  core::Params P;
+  P.H = H, P.r = r, P.rope = rope, P.D = r + rope, P.B = B;
+  P.page_size = kv_cache.size(1), P.num_pages = kv_cache.size(0);
+  P.bt = bt.data_ptr<int32_t>(), P.bt_s0 = bt.stride(0);
+  P.cu = cu.data_ptr<int32_t>(), P.kvl = kvl.data_ptr<int32_t>();
+  const int64_t qes = q_lat.element_size();
+  P.qlat = static_cast<const char*>(q_lat.data_ptr()), P.ql_s0 = q_lat.stride(0) * qes, P.ql_s1 = q_lat.stride(1) * qes;
+  P.qpe = static_cast<const char*>(q_pe.data_ptr()), P.qp_s0 = q_pe.stride(0) * qes, P.qp_s1 = q_pe.stride(1) * qes;
+  const int64_t ces = kv_cache.element_size();
+  P.cache = static_cast<const char*>(kv_cache.data_ptr());
+  P.c_s0 = kv_cache.stride(0) * ces, P.c_s1 = kv_cache.stride(1) * ces, P.row_bytes = kv_cache.size(2) * ces;
+  P.score_scale = static_cast<float>(softmax_scale) * (ds ? 1.0f : kvs);
+  P.out_scale = ds ? 1.0f : kvs;
+  P.tiles = dsl.tiles, P.ds_scale_off = dsl.scale_off, P.ds_rope_off = dsl.rope_off;
+  P.out = static_cast<char*>(out.data_ptr());
+  P.lse = lse.data_ptr<float>();
+  core::SparseIndex S;
+  S.idx = idx.data_ptr<int32_t>(), S.K = idx.size(1), S.idx_s0 = idx.stride(0), S.tok_req = treq.data_ptr<int32_t>();
+  core::Parallel par;
+  par.threads = std::max<int64_t>(1, at::get_num_threads());
+  par.for_range = [](int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+    at::parallel_for(0, n, grain, fn);
+  };
+  const core::Bounds bounds{T, bt.size(0), bt.size(1), max_page_id};
+  const std::string err = core::sparse_attention(P, bounds, S, sparse_dtype(qdt), ds ? core::kDs : (fp8 ? core::kFp8 : core::kPlain),
+                                                 par, static_cast<int>(engine));
+  TORCH_CHECK(err.empty(), err);  // a refused index: nothing was read
+}
+#endif  // MLA_CORE_ONLY
+
+}  // namespace mla_native
+
+#ifndef MLA_CORE_ONLY
+TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
+  m.def(
+      "native_sparse_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
+      "Tensor cu_seqlens_q, Tensor kv_lens, Tensor indices, Tensor token_req, float softmax_scale, "
+      "Tensor? kv_scale, int max_page_id, int engine, Tensor(a!) out, Tensor(b!) lse) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) { m.impl("native_sparse_attention", &mla_native::sparse_attention); }
+#endif  // MLA_CORE_ONLY

@@ -1,0 +1,86 @@
+"""DSA's sparse absorbed attention in plain torch, shared by the implementations that have no
+kernel of their own for it (torch, Triton, FlashInfer) and by the native one for what its
+kernels do not take.
+
+Each query token attends to the latent rows of its own index list: logical positions of its
+request (``-1`` = no entry), mapped to physical rows through the plan's block table, gathered
+once into a [tokens, k, width] tile and dequantized by the cache layout. Scores, softmax and
+P·V are fp32 (the output rounded once to q's dtype); a token with no valid index gets o = 0 and
+lse = -inf. Out-of-range indices (>= the request's kv length, or < -1) are refused with
+``torch._assert_async``: no host read (on a GPU a device-side assert, which surfaces at the
+next synchronization; on the CPU it raises in the call).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache_layout import CacheLayout
+from ..parts import PlanPart, SparsePart
+
+#: fp32 elements of one chunk of gathered rows (tokens x k x width)
+CHUNK_ELEMENTS = 1 << 23
+OUT_OF_RANGE = (
+    "sparse attention: an index is out of range (valid: -1 for no entry, or 0 .. kv_len - 1 of "
+    "the query token's request)"
+)
+
+
+def check_indices(indices: torch.Tensor, part: PlanPart, sparse: SparsePart) -> None:
+    """Refuse indices outside ``-1 .. kv_len - 1`` of each token's request, with no host read
+    (``torch._assert_async``)."""
+    kvl = part.kv_lens_t.long().index_select(0, sparse.token_req_t.long())  # [T]
+    idx = indices.long()
+    ok = ((idx >= -1) & (idx < kvl[:, None])).all()
+    torch._assert_async(ok, OUT_OF_RANGE)
+
+
+def sparse_absorbed_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    part: PlanPart,
+    sparse: SparsePart,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_lat [T, H, r], q_pe [T, H, rope], indices [T, k] int32 (logical positions, -1 = none)
+    -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32; ``out`` / ``lse`` when given)."""
+    T, H, r = q_lat.shape
+    dev, cd = q_lat.device, q_lat.dtype
+    o_lat = out if out is not None else torch.empty(T, H, r, dtype=cd, device=dev)
+    lse_o = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=dev)
+    if T == 0:
+        return o_lat, lse_o
+    check_indices(indices, part, sparse)
+    K = indices.shape[1]
+    ps, W = kv_cache.shape[1], kv_cache.shape[2]
+    D = r + q_pe.shape[-1]
+    flat = kv_cache.view(-1, W)
+    step = max(1, CHUNK_ELEMENTS // max(1, K * W))
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        idx = indices[t0:t1].long()
+        valid = idx >= 0
+        safe = torch.where(valid, idx, 0)
+        req = sparse.token_req_t[t0:t1].long()
+        page = part.block_table.long()[req[:, None], safe // ps]  # [n, K]
+        rows = flat.index_select(0, (page * ps + safe % ps).reshape(-1))
+        kv = layout.decode(rows, torch.float32, kv_scale).view(t1 - t0, K, D)
+        kv = torch.where(valid[..., None], kv, 0.0)  # never-written rows may hold NaN
+        q = torch.cat([q_lat[t0:t1], q_pe[t0:t1]], -1).float()  # [n, H, D]
+        s = torch.einsum("nhd,nkd->nhk", q, kv) * softmax_scale
+        s.masked_fill_(~valid[:, None, :], float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isneginf(m), 0.0, m)  # rows with no entry: p = 0, lse = -inf
+        p = torch.exp(s - m)
+        lsum = p.sum(-1, keepdim=True)
+        o = torch.einsum("nhk,nkr->nhr", p, kv[..., :r])
+        o = torch.where(lsum > 0, o / lsum, 0.0)
+        o_lat[t0:t1] = o.to(cd)
+        lse_o[t0:t1] = (m + torch.log(lsum)).squeeze(-1)
+    return o_lat, lse_o
