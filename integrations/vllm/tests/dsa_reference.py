@@ -109,9 +109,12 @@ def rounded_indexer_forward(
 
 class DSAOracle:
     """transformers' DSA model (fp32, eager) on a checkpoint folder; ``fp8_indexer=True``: the
-    indexers round q_I / k_I as vLLM does (module docstring)."""
+    indexers round q_I / k_I as vLLM does (module docstring); ``index_topk``: overrides the
+    checkpoint's (e.g. above every context: the dense model, for negative controls)."""
 
-    def __init__(self, path: Path, fp8_indexer: bool = False) -> None:
+    def __init__(
+        self, path: Path, fp8_indexer: bool = False, index_topk: int | None = None
+    ) -> None:
         import transformers
 
         # the model classes by name: vLLM registers its own config class for "deepseek_v32"
@@ -134,6 +137,9 @@ class DSAOracle:
         ]
         if not self.indexers:
             raise RuntimeError(f"{type(self.model).__name__} at {path} has no indexer layers")
+        for ix in self.indexers:
+            if index_topk is not None:
+                ix.index_topk = index_topk
         if fp8_indexer:
             for ix in self.indexers:
                 ix.forward = MethodType(rounded_indexer_forward, ix)
