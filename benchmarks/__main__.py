@@ -1,5 +1,5 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, sparse, vllm, serve, sglang, gpu, fp8-accuracy); each writes
+layer, policy, sparse, vllm, vllm-dsa, serve, sglang, gpu, fp8-accuracy); each writes
 ``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
 the roofline PNGs from ``decode-latest.md``."""
 
@@ -17,6 +17,7 @@ COMMANDS = {
     "policy": ("policy", "does the cost policy pick the faster path (absorbed / normal)"),
     "sparse": ("sparse", "DSA decode: indexer top-k + sparse attention vs dense absorbed"),
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),
+    "vllm-dsa": ("vllm_dsa", "vLLM end to end, DSA (tiny V3.2, 8K prompts): sparse vs dense"),
     "serve": ("serve", "online serving through each engine's own bench client"),
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),
     "plot": ("plot", "roofline PNG per ISA level from decode-latest.md (needs matplotlib)"),

@@ -191,7 +191,9 @@ def patch_cpu_platform(
                     f"Selected backend {BACKEND_NAME} is not valid for this configuration: "
                     f"{reasons} ({attn_selector_config})"
                 )
-            logger.info("Using %s backend%s.", BACKEND_NAME, " (sparse MLA)" if sparse else "")
+            logger.info("Using %s backend.", BACKEND_NAME)
+            if sparse:
+                logger.info("%s: sparse MLA layer (DeepSeek Sparse Attention)", BACKEND_NAME)
             return path
         return orig_select(cls, selected_backend, attn_selector_config, num_heads)
 
