@@ -147,26 +147,23 @@ class MLAAbsorbSparseImpl(MLAAbsorbImpl):
         pad_rows(mb.apply_W_UV(o_lat, weights), output.shape[0], out=output)
 
 
-class IndexerStep:
-    """Where an indexer op finds its step: the metadata our builder made for its key-cache
-    layer (the plan with the indexer dims, that cache group's slot mapping)."""
+def step_metadata(cache_layer_name: str) -> MLAAbsorbMetadata | None:
+    """The metadata our builder made this step for an index-cache layer (the plan with the
+    indexer dims, that cache group's slot mapping); None in a profiling / dummy run."""
+    from vllm.forward_context import get_forward_context
 
-    @staticmethod
-    def metadata(cache_layer_name: str) -> MLAAbsorbMetadata | None:
-        from vllm.forward_context import get_forward_context
-
-        attn_metadata = get_forward_context().attn_metadata
-        if not isinstance(attn_metadata, dict):
-            return None  # profiling / dummy run
-        md = attn_metadata.get(cache_layer_name)
-        if md is None:
-            return None
-        if not isinstance(md, MLAAbsorbMetadata):
-            raise RuntimeError(
-                f"{BACKEND_NAME}: the index cache {cache_layer_name} got {type(md).__name__} "
-                "metadata; expected the MLA_ABSORB index-cache backend's"
-            )
-        return md
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return None
+    md = attn_metadata.get(cache_layer_name)
+    if md is None:
+        return None
+    if not isinstance(md, MLAAbsorbMetadata):
+        raise RuntimeError(
+            f"{BACKEND_NAME}: the index cache {cache_layer_name} got {type(md).__name__} "
+            "metadata; expected the MLA_ABSORB index-cache backend's"
+        )
+    return md
 
 
 def indexer_forward(
@@ -180,7 +177,7 @@ def indexer_forward(
     ``<= index_topk``, the top-k of q_quant [T, Hi, Di] (e4m3, its scales folded into
     weights [T, Hi] float32) into ``layer.topk_indices_buffer[:T]``. Returns the buffer."""
     buf = layer.topk_indices_buffer
-    md = IndexerStep.metadata(layer.k_cache.prefix)
+    md = step_metadata(layer.k_cache.prefix)
     if md is None:
         return buf
     if isinstance(q_quant, tuple):
