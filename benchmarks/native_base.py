@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mla_backend.ops.native.build import level_flags
+from mla_backend.ops.native.isa import level_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = "mla_backend/ops/native/csrc"

@@ -22,7 +22,7 @@ import torch
 
 import mla_backend as mb
 from mla_backend.cost import DeviceProfile, absorbed_cost, normal_cost
-from mla_backend.ops.seam import get_impl
+from mla_backend.selection import get_impl
 
 from . import harness
 from .harness import interleaved, write_result

@@ -22,7 +22,8 @@ def pad_rows(o: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> tor
         o: [T, ...] the step's output.
         rows: the engine's row count (>= T).
         out: optional [rows, ...] buffer to fill in place (vLLM's ``output``); same trailing
-            numel per row as ``o``.
+            numel per row as ``o``. When ``o`` is already a view of its first T rows (the core
+            wrote there through ``out=``), only the padding rows are written.
     Returns:
         ``out`` when given, else ``o`` itself when no padding is needed, else a new tensor.
     """
@@ -38,7 +39,8 @@ def pad_rows(o: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> tor
         raise ValueError(
             f"output buffer {tuple(out.shape)} does not hold {rows} rows of {tuple(o.shape[1:])}"
         )
-    flat[:T].copy_(o.reshape(T, -1))
+    if flat[:T].data_ptr() != o.data_ptr() or o.dtype != flat.dtype:  # else written in place
+        flat[:T].copy_(o.reshape(T, -1))
     if rows > T:
         flat[T:].zero_()
     return out

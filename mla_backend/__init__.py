@@ -16,6 +16,7 @@ from .merge import merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
 from .policy import PathChoice, Policy
+from .selection import Selection, resolve
 from .sparse import indexer_logits, indexer_topk, sparse_absorbed_attention, write_index_keys
 from .weights import (
     AbsorbWeights,
@@ -41,6 +42,7 @@ __all__ = [
     "Phase",
     "PlanPart",
     "Policy",
+    "Selection",
     "absorb_q",
     "absorbed_attention",
     "apply_W_UV",
@@ -54,6 +56,7 @@ __all__ = [
     "plan",
     "quantize_fp8",
     "sparse_absorbed_attention",
+    "resolve",
     "split_kv_b_proj",
     "WorkPartition",
     "weights_from_kv_b_proj",

@@ -14,8 +14,9 @@ from .cache_layout import CacheLayout
 from .checks import check_cache, check_step
 from .dims import MLADims
 from .normal import DEFAULT_CHUNK_TOKENS, normal_attention_part
-from .ops import KernelImpl, get_impl
+from .ops import AbsorbedCall, KernelImpl, LatentWrite
 from .plan import MLAPlan
+from .selection import get_impl
 from .weights import AbsorbWeights
 
 
@@ -35,8 +36,8 @@ def write_latent(
             (:mod:`mla_backend.cache_layout`), in place.
         c_kv: [T, r]; k_pe: [T, rope]; slot_mapping: [>= T] int32/int64 flat slot per token.
         kv_scale: float32 scalar tensor for an fp8 cache (stored = value / scale).
-        impl: kernel implementation override (default: the device's, see
-            :func:`mla_backend.ops.get_impl`).
+        impl: kernel implementation override (default: the device's resolved selection,
+            :func:`mla_backend.selection.resolve`).
     """
     layout = check_cache(kv_cache, c_kv.shape[-1], k_pe.shape[-1], kv_scale, c_kv.dtype)
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -51,8 +52,20 @@ def write_latent(
             f"{tuple(slot_mapping.shape)} disagree on the number of tokens"
         )
     get_impl(kv_cache.device, impl).write_latent(
-        kv_cache, layout, c_kv, k_pe, slot_mapping, kv_scale
+        LatentWrite(kv_cache, layout, c_kv, k_pe, slot_mapping, kv_scale)
     )
+
+
+def _check_out(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> None:
+    """An ``out=`` / ``lse=`` buffer must have the result's shape, dtype and device."""
+    if t is None:
+        return
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; the result is {shape} "
+            f"{dtype} on {device}"
+        )
 
 
 def absorbed_attention(
@@ -62,6 +75,9 @@ def absorbed_attention(
     plan: MLAPlan,
     softmax_scale: float,
     kv_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA (MQA over the shared latent) for every request of the step (decode and
     extend onto a prefix), whatever the policy decided.
@@ -73,18 +89,24 @@ def absorbed_attention(
         plan: the step's :class:`~mla_backend.plan.MLAPlan`.
         softmax_scale: scale of ``q·k``.
         kv_scale: float32 scalar tensor of an fp8 cache.
+        out: optional [T, H, r] buffer in q_lat's dtype (any strides) for ``o_lat``.
+        lse: optional [T, H] float32 buffer (any strides) for the log-sum-exp.
     Returns:
-        (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32, natural log).
+        (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32, natural log): ``out`` / ``lse``
+        when given.
     """
     layout = check_step(q_lat, q_pe, kv_cache, plan, q_lat.shape[-1] + q_pe.shape[-1], kv_scale)
     if q_lat.shape[-1] != plan.dims.kv_lora_rank:
         raise ValueError(
             f"q_lat width {q_lat.shape[-1]} != kv_lora_rank {plan.dims.kv_lora_rank}"
         )
+    _check_out("out", out, tuple(q_lat.shape), q_lat.dtype, q_lat.device)
+    _check_out("lse", lse, tuple(q_lat.shape[:2]), torch.float32, q_lat.device)
+    call = AbsorbedCall(
+        q_lat, q_pe, kv_cache, layout, plan.step, softmax_scale, kv_scale, out=out, lse=lse
+    )
     with torch.no_grad():
-        return plan.impl.absorbed_attention(
-            q_lat, q_pe, kv_cache, layout, plan.step, softmax_scale, kv_scale
-        )
+        return plan.impl.absorbed_attention(call)
 
 
 def _check_normal(
@@ -191,21 +213,29 @@ class MLAAttention:
         kv_cache: torch.Tensor,
         plan: MLAPlan,
         kv_scale: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q_nope [T, H, nope], q_pe [T, H, rope] -> o [T, H, v] in q_nope's dtype.
+        """q_nope [T, H, nope], q_pe [T, H, rope] -> o [T, H, v] in q_nope's dtype, written
+        into ``out`` [T, H, v] when given (any strides with a contiguous last dim serve without
+        a copy: a view of the engine's output buffer).
 
         Inference only: runs without autograd."""
         layout = _check_normal(
             q_nope, q_pe, kv_cache, plan, self.weights, kv_scale, self.chunk_tokens
         )
+        T, H, v = q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim
+        _check_out("out", out, (T, H, v), q_nope.dtype, q_nope.device)
         cache = (kv_cache, layout)
         with torch.no_grad():
             mode = plan.mode
             if mode == "absorbed":
-                return self._absorbed(q_nope, q_pe, cache, plan, plan.step, kv_scale)
+                return self._absorbed(q_nope, q_pe, cache, plan, plan.step, kv_scale, out)
             if mode == "normal":
-                return self._normal(q_nope, q_pe, cache, plan, plan.step, kv_scale)
-            out = q_nope.new_empty(q_nope.shape[0], self.dims.num_heads, self.dims.v_head_dim)
+                o = self._normal(q_nope, q_pe, cache, plan, plan.step, kv_scale)
+                return o if out is None else out.copy_(o)
+            if out is None:
+                out = q_nope.new_empty(T, H, v)
             for part, fn in ((plan.absorbed, self._absorbed), (plan.normal, self._normal)):
                 rows = part.rows
                 o = fn(q_nope[rows], q_pe[rows], cache, plan, part, kv_scale)
@@ -218,16 +248,15 @@ class MLAAttention:
             w = self._prepared[impl.name] = impl.prepare_weights(self.weights)
         return w
 
-    def _absorbed(self, q_nope, q_pe, cache, plan, part, kv_scale) -> torch.Tensor:
-        """``W_UV · attn([q_nope·W_UK ; q_pe], [c_kv ; k_pe])`` -> [T, H, v]
-        (``cache``: the cache tensor and its layout)."""
+    def _absorbed(self, q_nope, q_pe, cache, plan, part, kv_scale, out=None) -> torch.Tensor:
+        """``W_UV · attn([q_nope·W_UK ; q_pe], [c_kv ; k_pe])`` -> [T, H, v] (into ``out``
+        when given; ``cache``: the cache tensor and its layout)."""
         impl = plan.impl
         w = self._weights_for(impl)
         q_lat = impl.absorb_q(q_nope, w)
-        o_lat, _ = impl.absorbed_attention(
-            q_lat, q_pe, *cache, part, self.softmax_scale, kv_scale
-        )
-        return impl.apply_W_UV(o_lat, w)
+        call = AbsorbedCall(q_lat, q_pe, *cache, part, self.softmax_scale, kv_scale)
+        o_lat, _ = impl.absorbed_attention(call)
+        return impl.apply_W_UV(o_lat, w, out=out)
 
     def _normal(self, q_nope, q_pe, cache, plan, part, kv_scale) -> torch.Tensor:
         """Decompress + causal MHA -> [T, H, v]."""

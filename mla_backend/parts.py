@@ -1,5 +1,7 @@
 """The seam's input types: :class:`PlanPart` (the requests one kernel call serves, with their
-host data and index tensors) and :class:`WorkPartition` (how a kernel call is cut into programs).
+host data and index tensors), :class:`WorkPartition` (how a kernel call is cut into programs),
+:class:`StepShape` (the host facts plan-time calls see) and :class:`PlanState` (an
+implementation's per-plan state).
 
 Plain data, made by :mod:`mla_backend.plan` at plan time and read by every kernel
 implementation (:mod:`mla_backend.ops`); this module sits below both and imports neither.
@@ -7,13 +9,43 @@ implementation (:mod:`mla_backend.ops`); this module sits below both and imports
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .dims import MLADims
 from .index_cache import IndexerDims
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The host facts of one plan part that plan-time calls see.
+
+    Attributes:
+        dims: the layers' MLA dims.
+        new_lens / kv_lens: per request, query tokens and prefix + query tokens.
+        device: where the plan's tensors live.
+        block_table: [n, max_pages] int32 on ``device`` (the part's requests).
+        page_size: tokens per cache page.
+    """
+
+    dims: MLADims
+    new_lens: Sequence[int]
+    kv_lens: Sequence[int]
+    device: torch.device
+    block_table: torch.Tensor
+    page_size: int
+
+
+class PlanState:
+    """An implementation's per-plan state of one part (made at plan time by its
+    ``plan_state``). A refreshed plan (:meth:`mla_backend.MLAPlan.refresh_`) rewrites it in place
+    from a new step's state of the same shape through :meth:`copy_`, so the addresses a
+    captured graph reads stay."""
+
+    def copy_(self, other: PlanState) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot be refreshed in place")
 
 
 @dataclass(frozen=True)
@@ -25,20 +57,16 @@ class WorkPartition:
         q_block_req: [W] int32, the request (index within the part) of each query block.
         q_block_start: [W] int32, its first new token (0-based within the request).
         num_kv_splits: KV splits per query block (their partial results are merged by LSE);
-            for an implementation with a ``schedule``, its programs along the split axis.
-        schedule: the implementation's own plan-time state, or () when it has none; made by
-            its optional ``work_schedule(dims, new_lens, kv_lens, block_q, num_kv_splits,
-            device, *, block_table, page_size)`` method. Each item has ``copy_(other)``
-            (device tensors whose shapes depend only on the query blocks and
-            ``num_kv_splits``, or an object that re-plans itself), so a refreshed plan
-            rewrites them in place.
+            for an implementation with a plan state, its programs along the split axis.
+        state: the implementation's own per-plan state (:class:`PlanState`, made by its
+            ``plan_state(step, block_q, num_kv_splits)``), or None when it keeps none.
     """
 
     block_q: int
     q_block_req: torch.Tensor
     q_block_start: torch.Tensor
     num_kv_splits: int
-    schedule: tuple[Any, ...] = ()
+    state: PlanState | None = None
 
 
 @dataclass(frozen=True, eq=False)

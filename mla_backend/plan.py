@@ -18,16 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .batch import MLABatch, Phase
 from .dims import MLADims
 from .index_cache import IndexerDims
-from .ops import KernelImpl, get_impl
-from .parts import PlanPart, SparsePart, WorkPartition
+from .ops import KernelImpl
+from .parts import PlanPart, PlanState, SparsePart, StepShape, WorkPartition
 from .policy import PathChoice, Policy
+from .selection import get_impl
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,11 +111,13 @@ class MLAPlan:
             old.block_table[:, :cols].copy_(new.block_table)
             for name in ("kv_lens_t", "prefix_lens_t", "new_lens_t", "cu_new_t"):
                 getattr(old, name).copy_(getattr(new, name))
-            w = old.work  # the new lengths' schedule, cut into the plan's number of splits
-            sched = _schedule(self.impl, self.dims, new.new_lens, new.kv_lens, w.block_q,
-                              w.num_kv_splits, self.device, new.block_table, self.page_size)
-            for dst, src in zip(w.schedule, sched, strict=True):
-                dst.copy_(src)
+            w = old.work  # the new lengths' plan state, cut into the plan's number of splits
+            if w.state is not None:
+                shape = _step_shape(self.dims, new.new_lens, new.kv_lens, self.device,
+                                    new.block_table, self.page_size)
+                fresh_state = self.impl.plan_state(shape, w.block_q, w.num_kv_splits)
+                assert fresh_state is not None
+                w.state.copy_(fresh_state)
             object.__setattr__(old, "prefix_lens", new.prefix_lens)
             object.__setattr__(old, "pages", new.pages)
             object.__setattr__(old, "max_page_id", new.max_page_id)
@@ -146,24 +148,15 @@ def _host_pages(
     )
 
 
-def _schedule(
-    impl: KernelImpl,
+def _step_shape(
     dims: MLADims,
     new: Sequence[int],
     kv: Sequence[int],
-    block_q: int,
-    splits: int,
     device: torch.device,
     block_table: torch.Tensor,
     page_size: int,
-) -> tuple[Any, ...]:
-    """The implementation's plan-time split schedule (``work_schedule``, optional), or ()."""
-    make = getattr(impl, "work_schedule", None)
-    if make is None:
-        return ()
-    return tuple(
-        make(dims, new, kv, block_q, splits, device, block_table=block_table, page_size=page_size)
-    )
+) -> StepShape:
+    return StepShape(dims, tuple(new), tuple(kv), device, block_table, page_size)
 
 
 def _max_page_id(pages: tuple[tuple[int, ...], ...] | None) -> int:
@@ -205,16 +198,15 @@ def _part(
         idx = [t for i in reqs for t in range(batch.cu_new[i], batch.cu_new[i + 1])]
         rows = torch.tensor(idx, dtype=torch.long, device=device)
     pages = _host_pages(batch.host_block_table(), reqs, kv, ps)
-    block_q, splits = impl.work_shape(dims, new, kv, device)
+    shape = _step_shape(dims, new, kv, device, table, ps)
+    block_q, splits = impl.work_shape(shape)
     q_req = [i for i, n in enumerate(new) for _ in range(0, n, block_q)]
     q_start = [q0 for n in new for q0 in range(0, n, block_q)]
     q_req_t, q_start_t, kv_t, prefix_t, new_t, cu_t = _int32_views(
         (q_req, q_start, kv, prefix, new, cu), device
     )
-    work = WorkPartition(
-        block_q, q_req_t, q_start_t, splits,
-        _schedule(impl, dims, new, kv, block_q, splits, device, table, ps),
-    )
+    state: PlanState | None = impl.plan_state(shape, block_q, splits)
+    work = WorkPartition(block_q, q_req_t, q_start_t, splits, state)
     return PlanPart(
         dims=dims,
         reqs=tuple(reqs),
@@ -251,8 +243,9 @@ def plan(
         policy: absorbed-vs-normal policy; default :meth:`Policy.from_env`.
         device: where queries and cache live; default the block table's device.
         impl: kernel implementation: a name (``torch``, ``native``, ``triton``) or an instance
-            (tuning knobs are its keyword arguments); default ``MLA_BACKEND_IMPL`` or the
-            device's choice (:func:`mla_backend.ops.get_impl`).
+            (tuning knobs are its keyword arguments); default the device's resolved selection
+            (:func:`mla_backend.selection.resolve`: ``MLA_BACKEND_IMPL`` or the device's
+            choice).
         indexer: a DSA model's indexer dims (:class:`~mla_backend.index_cache.IndexerDims`):
             the plan then carries the per-token data of the indexer and the sparse attention
             (``MLAPlan.sparse``) and the policy's choice says which requests need the sparse

@@ -29,10 +29,10 @@ DSA backend likewise runs MHA for such prefills); the other modes apply their de
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 from .batch import MLABatch, Phase
+from .config import current
 from .cost import (
     CPU_PROFILE,
     GPU_PROFILE,
@@ -136,14 +136,16 @@ class Policy:
 
     @classmethod
     def from_env(cls, default: str = "cost") -> Policy:
-        """``MLA_BACKEND_POLICY`` (cost|sglang|absorb|normal) and
-        ``MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD`` (tokens, default 8192)."""
-        raw = os.environ.get(THRESHOLD_ENV_VAR, "8192")
+        """``MLA_BACKEND_POLICY`` (cost|sglang|absorb|normal; ``default`` when unset) and
+        ``MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD`` (tokens, default 8192), read through
+        :func:`mla_backend.config.current`."""
+        s = current()
+        raw = s.chunked_prefix_threshold
         try:
             threshold = int(raw)
         except ValueError:
             raise ValueError(f"{THRESHOLD_ENV_VAR}={raw!r} is not an integer") from None
-        return cls(os.environ.get(ENV_VAR, default), threshold)
+        return cls(s.policy if s.is_set(ENV_VAR) else default, threshold)
 
     def __repr__(self) -> str:
         return (

@@ -9,7 +9,12 @@ indexer=IndexerDims(n_heads, head_dim, topk))``), then per layer::
     o_lat, lse = sparse_absorbed_attention(q_lat, q_pe, kv_cache, plan, idx, softmax_scale)
 
 The index cache shares the plan's block table and page size with the latent cache (vLLM keeps
-both in one KV-cache group). Inputs are validated here, once, naming the bad value and what is
+both in one KV-cache group). The plan's policy choice says which requests need the sparse path
+(``plan.choice.use_sparse``, ``plan.choice.sparse_mode``: "dense" when every context fits in
+``topk``, then the dense paths give the same attention and only the keys need writing). Where
+a model's config sets ``scale_fmt`` (vLLM then rounds the key scales up to powers of two),
+pass ``IndexCacheLayout.named("fp8", 128, 128, scale_fmt="ue8m0")`` as ``layout``.
+Inputs are validated here, once, naming the bad value and what is
 supported; the kernels come from the plan's implementation (the device seam); no call reads
 tensor data on the host.
 
@@ -39,9 +44,10 @@ from .cache_layout import CacheLayout
 from .checks import check_step
 from .fp8 import FP8_DTYPE
 from .index_cache import IndexCacheLayout
-from .ops import KernelImpl, get_impl
+from .ops import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, SparseCall
 from .parts import SparsePart
 from .plan import MLAPlan
+from .selection import get_impl
 
 #: dtypes of the indexer's queries (e4m3: vLLM's quantized q, its scale folded into weights)
 INDEX_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
@@ -127,7 +133,9 @@ def write_index_keys(
             f"slot_mapping has {slot_mapping.shape[0]} slots for {k_I.shape[0]} keys"
         )
     with torch.no_grad():
-        get_impl(index_cache.device, impl).write_index_keys(index_cache, lay, k_I, slot_mapping)
+        get_impl(index_cache.device, impl).write_index_keys(
+            IndexKeyWrite(index_cache, lay, k_I, slot_mapping)
+        )
 
 
 def _sparse_of(plan: MLAPlan) -> SparsePart:
@@ -200,7 +208,9 @@ def indexer_logits(
     """
     lay, sparse = _check_indexer(q_I, weights, index_cache, plan, layout)
     with torch.no_grad():
-        return plan.impl.indexer_logits(q_I, weights, index_cache, lay, plan.step, sparse)
+        return plan.impl.indexer_logits(
+            IndexerCall(q_I, weights, index_cache, lay, plan.step, sparse)
+        )
 
 
 def indexer_topk(
@@ -235,7 +245,7 @@ def indexer_topk(
         )
     with torch.no_grad():
         return plan.impl.indexer_topk(
-            q_I, weights, index_cache, lay, plan.step, sparse, topk, out
+            IndexerCall(q_I, weights, index_cache, lay, plan.step, sparse, topk, out)
         )
 
 
@@ -295,7 +305,6 @@ def sparse_absorbed_attention(
         raise ValueError(f"lse {lse.dtype} {tuple(lse.shape)}: expected [{T}, {H}] float32, "
                          "contiguous")
     with torch.no_grad():
-        return plan.impl.sparse_absorbed_attention(
-            q_lat, q_pe, kv_cache, layout, plan.step, sparse, indices, softmax_scale, kv_scale,
-            out, lse,
-        )  # fmt: skip
+        attn = AbsorbedCall(q_lat, q_pe, kv_cache, layout, plan.step, softmax_scale, kv_scale,
+                            out, lse)  # fmt: skip
+        return plan.impl.sparse_absorbed_attention(SparseCall(attn, sparse, indices))

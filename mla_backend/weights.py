@@ -135,36 +135,50 @@ def split_kv_b_proj(
     return AbsorbWeights(W_UK=uk, W_UV=uv, W_UK_scale=uk_s, W_UV_scale=uv_s)
 
 
-def absorb_q(q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+def _head_bmm(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fp8: bool,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """``y[t, h] = x[t, h] · w[h]``: x [T, H, K], w [H, K, N] -> [T, H, N] in x's dtype (into
+    ``out`` [T, H, N] when given)."""
+    xh = x.transpose(0, 1)  # [H, T, K]
+    if fp8:
+        y = fp8_bmm(xh, w, scale, out_dtype=x.dtype).transpose(0, 1)
+    elif out is not None:
+        return torch.bmm(xh, w.to(x.dtype), out=out.transpose(0, 1)).transpose(0, 1)
+    else:
+        y = torch.bmm(xh, w.to(x.dtype)).transpose(0, 1)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+def absorb_q(
+    q_nope: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``q_lat = q_nope · W_UK`` per head.
 
     Args:
         q_nope: [T, H, nope] bf16/fp16/fp32.
+        out: optional [T, H, r] buffer in q_nope's dtype (any strides) to write into.
     Returns:
-        q_lat: [T, H, r], dtype of q_nope.
+        q_lat: [T, H, r], dtype of q_nope (``out`` when given).
     """
-    x = q_nope.transpose(0, 1)  # [H, T, nope]
-    if weights.fp8:
-        y = fp8_bmm(x, weights.W_UK, weights.W_UK_scale, out_dtype=q_nope.dtype)
-    else:
-        y = torch.bmm(x, weights.W_UK.to(q_nope.dtype))
-    return y.transpose(0, 1)
+    return _head_bmm(q_nope, weights.W_UK, weights.W_UK_scale, weights.fp8, out)
 
 
-def apply_W_UV(o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
+def apply_W_UV(
+    o_lat: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``o = o_lat · W_UV`` per head.
 
     Args:
         o_lat: [T, H, r].
+        out: optional [T, H, v] buffer in o_lat's dtype (any strides) to write into.
     Returns:
-        o: [T, H, v], dtype of o_lat.
+        o: [T, H, v], dtype of o_lat (``out`` when given).
     """
-    x = o_lat.transpose(0, 1)  # [H, T, r]
-    if weights.fp8:
-        y = fp8_bmm(x, weights.W_UV, weights.W_UV_scale, out_dtype=o_lat.dtype)
-    else:
-        y = torch.bmm(x, weights.W_UV.to(o_lat.dtype))
-    return y.transpose(0, 1)
+    return _head_bmm(o_lat, weights.W_UV, weights.W_UV_scale, weights.fp8, out)
 
 
 #: Where an engine's ``kv_b_proj`` keeps its fp8 weight scale, in lookup order: block-scaled

@@ -5,13 +5,13 @@ resolve to that folder's conftest instead."""
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
 import torch
 
 import mla_backend.testing.reference  # noqa: F401  (mb.testing.reference in tests)
+from mla_backend.config import current
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def _test_isas() -> list[str]:
     from mla_backend.ops.native import host_isas
 
     host = list(host_isas())
-    want = [x.strip() for x in os.environ.get("MLA_BACKEND_TEST_ISAS", "").split(",") if x.strip()]
+    want = [x.strip() for x in current().test_isas.split(",") if x.strip()]
     return [x for x in host if x in want] if want else host
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mla_backend as mb
-from mla_backend.ops import impl_name
+from mla_backend.selection import impl_name
 from mla_backend.testing.cases import make_case
 from mla_backend.testing.reference import plain_attention, reference_mla_attention
 

@@ -235,7 +235,7 @@ def test_more_bad_inputs_name_the_value() -> None:
 def test_impl_choice_follows_the_environment(monkeypatch) -> None:
     """get_impl resolves a choice once per process, yet a changed MLA_BACKEND_IMPL (or a bad
     value) is honoured on the next call."""
-    from mla_backend.ops import ENV_VAR, get_impl, impl_name
+    from mla_backend.selection import ENV_VAR, get_impl, impl_name
 
     cpu = torch.device("cpu")
     monkeypatch.setenv(ENV_VAR, "torch")

@@ -1,21 +1,23 @@
 """The import graph of ``mla_backend/`` (every import statement, inside functions and
-``TYPE_CHECKING`` blocks included, read with ``ast``): no cycle, no module importing one in a
-higher layer, and no kernel implementation importing another one except its declared
-fallback (:data:`FALLBACKS`: FlashInfer composes the Triton implementation for the cases its
-wrapper cannot serve).
+``TYPE_CHECKING`` blocks included, and every ``importlib.import_module`` / ``__import__`` of a
+literal module name, read with ``ast``): no cycle, no module importing one in a higher layer,
+and no kernel implementation importing another one except its declared fallback
+(:data:`FALLBACKS`: FlashInfer composes the Triton implementation for the cases its wrapper
+cannot serve).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
 0. core types: dims, batch, fp8, merge, cache_layout, index_cache, weights, parts (the seam's
-   input types), cost (the roofline and its profiles);
+   input types), cost (the roofline and its profiles), config (the environment variables),
+   decision (a choice and its reason);
 1. policy (asks the implementation for its cost profile, imports none);
-2. the device seam (``ops/__init__``, ``ops/seam``) and the helpers implementations share
-   (``ops/*.py``);
-3. the implementations, sibling packages ``ops/torch``, ``ops/native``, ``ops/triton`` (and
-   any new one under ``ops/``);
-4. plan (resolves the implementation through the seam, asks it for its work shape);
+2. the device seam (``ops/__init__``, ``ops/base``: the base class; ``ops/registry``) and the
+   helpers implementations share (``ops/*.py``);
+3. the implementations, sibling packages ``ops/torch``, ``ops/native``, ``ops/triton``,
+   ``ops/flashinfer`` (and any new one under ``ops/``);
+4. selection (registers the implementations with lazy factories, resolves what runs) and plan;
 5. entry points: checks, normal, attention, sparse;
-6. the package itself and ``testing/``.
+6. the package itself, ``__main__`` and ``testing/``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1] / "mla_backend"
 
 CORE = (
     "dims", "batch", "fp8", "merge", "cache_layout", "index_cache", "weights", "parts", "cost",
-)  # fmt: skip
+    "config", "decision",
+)
+SELECTION = ("selection", "plan")
 ENTRY = ("checks", "normal", "attention", "sparse")
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
@@ -51,14 +55,34 @@ def _exists(module: str) -> bool:
     ).is_file()
 
 
-def _imports(path: Path) -> set[str]:
-    """The ``mla_backend`` modules ``path`` imports (relative imports resolved)."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def _literal_import(node: ast.Call) -> str | None:
+    """The module a call ``importlib.import_module("x", ...)`` / ``import_module("x")`` /
+    ``__import__("x")`` names, when it is a string literal (relative names resolved later)."""
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def _imports_of(source: str, name: str, is_package: bool) -> set[str]:
+    """The ``mla_backend`` modules that module ``name`` (its ``source``) imports (relative
+    imports resolved)."""
+    package = name if is_package else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(source, name)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("mla_backend"))
+        elif isinstance(node, ast.Call):
+            target = _literal_import(node)
+            if target is not None and target.startswith("."):
+                level = len(target) - len(target.lstrip("."))
+                base = package.split(".")
+                rest = target.lstrip(".")
+                target = ".".join(base[: len(base) - level + 1] + ([rest] if rest else []))
+            if target is not None and target.startswith("mla_backend"):
+                out.add(target)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -75,10 +99,15 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def _imports(path: Path) -> set[str]:
+    """The ``mla_backend`` modules ``path`` imports."""
+    return _imports_of(path.read_text(), _module_name(path), path.name == "__init__.py")
+
+
 def layer(module: str) -> int:
     """The layer of a ``mla_backend`` module (see the module docstring)."""
     parts = module.split(".")[1:]
-    if not parts or parts[0] == "testing":
+    if not parts or parts[0] in ("testing", "__main__"):
         return 6
     head = parts[0]
     if head in CORE:
@@ -86,11 +115,11 @@ def layer(module: str) -> int:
     if head == "policy":
         return 1
     if head == "ops":
-        if len(parts) == 1 or parts[1] == "seam":
+        if len(parts) == 1:
             return 2
         sub = ROOT / "ops" / parts[1]
         return 3 if sub.is_dir() else 2
-    if head == "plan":
+    if head in SELECTION:
         return 4
     if head in ENTRY:
         return 5
@@ -111,11 +140,28 @@ GRAPH = {
 
 
 def test_graph_is_read() -> None:
-    assert "mla_backend.ops.seam" in GRAPH["mla_backend.plan"] or any(
-        m.startswith("mla_backend.ops") for m in GRAPH["mla_backend.plan"]
-    )
-    assert "mla_backend.parts" in GRAPH["mla_backend.ops.seam"]  # a TYPE_CHECKING import
+    assert "mla_backend.selection" in GRAPH["mla_backend.plan"]
+    assert "mla_backend.parts" in GRAPH["mla_backend.ops.base"]
+    assert "mla_backend.cache_layout" in GRAPH["mla_backend.ops.base"]  # a TYPE_CHECKING import
     assert "mla_backend.ops.native.ops" in GRAPH["mla_backend.ops.native.kernels"]
+    # the registrations import each implementation inside its factory
+    assert "mla_backend.ops.native" in GRAPH["mla_backend.selection"]
+
+
+def test_importlib_edges_are_read() -> None:
+    """``importlib.import_module`` / ``__import__`` of a literal name is an edge too (absolute
+    and relative), so a module cannot hide an upward import behind it."""
+    src = (
+        "import importlib\n"
+        "def f():\n"
+        "    importlib.import_module('mla_backend.plan')\n"
+        "    importlib.import_module('.native', 'x')\n"
+        "    __import__('mla_backend.attention')\n"
+        "    importlib.import_module('numpy')\n"
+    )
+    got = _imports_of(src, "mla_backend.ops.base", False)
+    assert got == {"mla_backend.plan", "mla_backend.ops.native", "mla_backend.attention"}
+    assert any(layer(m) > layer("mla_backend.ops.base") for m in got)
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH))

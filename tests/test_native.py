@@ -15,7 +15,7 @@ import torch
 
 import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
-from mla_backend.ops import native
+from mla_backend.ops import LatentWrite, native
 from mla_backend.ops import torch as torch_ops
 from mla_backend.ops.native.engine import ENGINES, level_engines
 from mla_backend.testing.cases import make_case
@@ -319,7 +319,7 @@ def test_write_ds_mla_bitwise(isa, src, r, rope):
     base = torch.randint(0, 256, (pages, ps, lay.width), generator=g, dtype=torch.uint8)
     mine, ref = base.clone(), base.clone()
     native.write_latent(mine, c, k, slots.to(torch.int32), None, isa=isa)
-    torch_ops.Kernels().write_latent(ref, lay, c, k, slots, None)
+    torch_ops.Kernels().write_latent(LatentWrite(ref, lay, c, k, slots, None))
     assert torch.equal(mine, ref)
     keep = slots >= 0  # and the writer's rows are CacheLayout.pack's
     assert torch.equal(mine.view(-1, lay.width)[slots[keep]], lay.pack(c, k)[keep])

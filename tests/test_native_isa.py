@@ -1,5 +1,5 @@
-"""The native kernels' ISA levels (mla_backend.ops.native.build): each level's flags and macros
-(x86-64 and aarch64, from any host), CPU feature detection (x86 cpuinfo flags; aarch64 hwcaps
+"""The native kernels' ISA levels (mla_backend.ops.native.isa, .build): each level's flags and
+macros (x86-64 and aarch64, from any host), CPU feature detection (x86 cpuinfo flags; aarch64 hwcaps
 with fabricated AT_HWCAP / AT_HWCAP2 values of real CPUs, and the SVE vector length) and
 selection (``MLA_BACKEND_NATIVE_ISA``), a level the CPU lacks never built or loaded (with the
 detected features monkeypatched), other architectures without levels, several levels side by
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mla_backend.ops import native
-from mla_backend.ops.native import build, engine
+from mla_backend.ops.native import build, engine, isa
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})
 ALL_FLAGS = frozenset(
@@ -24,9 +24,9 @@ ALL_FLAGS = frozenset(
 
 
 def test_level_flags_are_explicit_and_cumulative():
-    flags = {lvl: build.level_flags(lvl) for lvl in build.X86_LEVELS}
-    assert build.X86_LEVELS == ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
-    assert native.ISA_LEVELS == build.arch_levels(build._arch())
+    flags = {lvl: isa.level_flags(lvl) for lvl in isa.X86_LEVELS}
+    assert isa.X86_LEVELS == ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
+    assert native.ISA_LEVELS == isa.arch_levels(isa._arch())
     for lvl, f in flags.items():
         assert not any(x.startswith(("-march", "-mtune", "-mcpu")) for x in f), (lvl, f)
         assert f"-DMLA_OPS_NS=mla_backend_{lvl}" in f
@@ -39,15 +39,15 @@ def test_level_flags_are_explicit_and_cumulative():
     assert m["amx"] - m["avx512_bf16"] == {"-mamx-tile", "-mamx-bf16"}
     assert "-DMLA_HAS_AVX512BF16" in flags["amx"] and "-DMLA_HAS_AVX512" not in flags["avx2"]
     with pytest.raises(ValueError, match="'sse9' is not supported"):
-        build.level_flags("sse9")
+        isa.level_flags("sse9")
 
 
 def test_aarch64_level_flags_from_any_host():
     """One explicit -march per aarch64 level (never native), cumulative MLA_HAS_* macros of the
     aarch64 chain only, and the SVE vector length as the 'sve' level's build parameter."""
-    assert build.AARCH64_LEVELS == ("scalar", "neon", "neon_bf16", "sve")
-    neon, nbf = build.level_flags("neon"), build.level_flags("neon_bf16")
-    sve = build.level_flags("sve", vector_bits=256)
+    assert isa.AARCH64_LEVELS == ("scalar", "neon", "neon_bf16", "sve")
+    neon, nbf = isa.level_flags("neon"), isa.level_flags("neon_bf16")
+    sve = isa.level_flags("sve", vector_bits=256)
     march = {
         k: [x for x in f if x.startswith("-m")]
         for k, f in (("neon", neon), ("neon_bf16", nbf), ("sve", sve))
@@ -66,15 +66,15 @@ def test_aarch64_level_flags_from_any_host():
     for lvl, f in (("neon", neon), ("neon_bf16", nbf), ("sve", sve)):
         assert f"-DMLA_OPS_NS=mla_backend_{lvl}" in f and f"-Dmla_native=mla_native_{lvl}" in f
         assert sum(x.startswith("-DMLA_ISA_") for x in f) == 1
-    for bits in build.SVE_VECTOR_BITS:
-        assert f"-msve-vector-bits={bits}" in build.level_flags("sve", vector_bits=bits)
+    for bits in isa.SVE_VECTOR_BITS:
+        assert f"-msve-vector-bits={bits}" in isa.level_flags("sve", vector_bits=bits)
     with pytest.raises(ValueError, match="vector_bits=384 is not supported"):
-        build.level_flags("sve", vector_bits=384)
+        isa.level_flags("sve", vector_bits=384)
     with pytest.raises(ValueError, match="applies to the 'sve' level only"):
-        build.level_flags("neon", vector_bits=128)
-    if build.sve_vector_bits() is None:  # no SVE here: the length must be named
+        isa.level_flags("neon", vector_bits=128)
+    if isa.sve_vector_bits() is None:  # no SVE here: the length must be named
         with pytest.raises(ValueError, match="needs vector_bits"):
-            build.level_flags("sve")
+            isa.level_flags("sve")
 
 
 def _bits(*positions: int) -> int:
@@ -94,19 +94,19 @@ ARM_CPUS = {
         _bits(*_COMMON, 1, 9, 10, 20, 22),
         _bits(0, 9, 12, 13, 14),
         256,
-        build.AARCH64_LEVELS,
+        isa.AARCH64_LEVELS,
     ),
     "graviton4": (
         _bits(*_COMMON, 1, 9, 10, 20, 22),
         _bits(0, 1, 9, 12, 13, 14),
         128,
-        build.AARCH64_LEVELS,
+        isa.AARCH64_LEVELS,
     ),
     "grace": (
         _bits(*_COMMON, 1, 9, 10, 20, 22),
         _bits(0, 1, 9, 12, 13, 14),
         128,
-        build.AARCH64_LEVELS,
+        isa.AARCH64_LEVELS,
     ),
     "a64fx_like": (_bits(*_COMMON, 1, 9, 10, 22), 0, 512, ("scalar", "neon")),  # SVE, no BF16
     "sve_bf16_vl384": (
@@ -119,22 +119,22 @@ ARM_CPUS = {
 
 
 def _fake_arm(monkeypatch, hwcap: int, hwcap2: int, vl: int | None) -> None:
-    monkeypatch.setattr(build, "_arch", lambda: "aarch64")
-    monkeypatch.setattr(build, "_hwcaps", lambda: (hwcap, hwcap2))
-    monkeypatch.setattr(build, "sve_vector_bits", lambda: vl)
-    monkeypatch.delenv(build.ENV_ISA, raising=False)
+    monkeypatch.setattr(isa, "_arch", lambda: "aarch64")
+    monkeypatch.setattr(isa, "_hwcaps", lambda: (hwcap, hwcap2))
+    monkeypatch.setattr(isa, "sve_vector_bits", lambda: vl)
+    monkeypatch.delenv(isa.ENV_ISA, raising=False)
 
 
 def test_arm_features_are_the_uapi_hwcap_bits():
-    assert build.arm_features(0, 0) == frozenset()
-    assert build.arm_features(1 << 1, 0) == {"asimd"}
-    assert build.arm_features(1 << 9 | 1 << 10, 0) == {"fphp", "asimdhp"}
-    assert build.arm_features(1 << 22, 0) == {"sve"}
-    assert build.arm_features(0, 1 << 1) == {"sve2"}
-    assert build.arm_features(0, 1 << 12) == {"svebf16"}
-    assert build.arm_features(0, 1 << 14) == {"bf16"}
-    assert build.arm_features(1 << 14, 1 << 22) == frozenset()  # other bits of the words
-    assert build.arm_features((1 << 64) - 1, (1 << 64) - 1) == set(build._HWCAP_BITS)
+    assert isa.arm_features(0, 0) == frozenset()
+    assert isa.arm_features(1 << 1, 0) == {"asimd"}
+    assert isa.arm_features(1 << 9 | 1 << 10, 0) == {"fphp", "asimdhp"}
+    assert isa.arm_features(1 << 22, 0) == {"sve"}
+    assert isa.arm_features(0, 1 << 1) == {"sve2"}
+    assert isa.arm_features(0, 1 << 12) == {"svebf16"}
+    assert isa.arm_features(0, 1 << 14) == {"bf16"}
+    assert isa.arm_features(1 << 14, 1 << 22) == frozenset()  # other bits of the words
+    assert isa.arm_features((1 << 64) - 1, (1 << 64) - 1) == set(isa._HWCAP_BITS)
 
 
 @pytest.mark.parametrize("cpu", sorted(ARM_CPUS))
@@ -143,14 +143,14 @@ def test_aarch64_levels_from_hwcaps(monkeypatch, cpu):
     _fake_arm(monkeypatch, hwcap, hwcap2, vl)
     assert native.host_isas() == expect
     assert native.selected_isa() == expect[-1]
-    for lvl in build.AARCH64_LEVELS:  # forcing any level: accepted iff the CPU runs it
-        monkeypatch.setenv(build.ENV_ISA, lvl)
+    for lvl in isa.AARCH64_LEVELS:  # forcing any level: accepted iff the CPU runs it
+        monkeypatch.setenv(isa.ENV_ISA, lvl)
         if lvl in expect:
             assert native.selected_isa() == lvl
         else:
             with pytest.raises(ValueError, match="this CPU lacks"):
                 native.selected_isa()
-    monkeypatch.setenv(build.ENV_ISA, "avx2")
+    monkeypatch.setenv(isa.ENV_ISA, "avx2")
     with pytest.raises(ValueError, match="not supported on aarch64"):
         native.selected_isa()
 
@@ -158,7 +158,7 @@ def test_aarch64_levels_from_hwcaps(monkeypatch, cpu):
 def test_sve_at_an_unbuilt_vector_length_says_why(monkeypatch):
     hwcap, hwcap2, _, _ = ARM_CPUS["sve_bf16_vl384"]
     _fake_arm(monkeypatch, hwcap, hwcap2, 384)
-    monkeypatch.setenv(build.ENV_ISA, "sve")
+    monkeypatch.setenv(isa.ENV_ISA, "sve")
     with pytest.raises(ValueError, match="vector length is 384 bits"):
         native.selected_isa()
 
@@ -174,30 +174,30 @@ def test_sve_at_an_unbuilt_vector_length_says_why(monkeypatch):
     ],
 )
 def test_host_isas_follow_the_cpu_features(monkeypatch, feats, expect):
-    monkeypatch.setattr(build, "cpu_features", lambda: feats)
-    monkeypatch.setattr(build, "_arch", lambda: "x86_64")
-    monkeypatch.delenv(build.ENV_ISA, raising=False)
+    monkeypatch.setattr(isa, "cpu_features", lambda: feats)
+    monkeypatch.setattr(isa, "_arch", lambda: "x86_64")
+    monkeypatch.delenv(isa.ENV_ISA, raising=False)
     assert native.host_isas() == expect
     assert native.selected_isa() == expect[-1]
 
 
 @pytest.mark.parametrize("machine", ["ppc64le", "riscv64", "s390x"])
 def test_other_architectures_have_no_levels(monkeypatch, machine):
-    monkeypatch.setattr(build, "_arch", lambda: machine)
-    monkeypatch.delenv(build.ENV_ISA, raising=False)
+    monkeypatch.setattr(isa, "_arch", lambda: machine)
+    monkeypatch.delenv(isa.ENV_ISA, raising=False)
     assert native.host_isas() == ()
     assert native.selected_isa() == "scalar"  # whose build then says why not
     with pytest.raises(
         RuntimeError, match=f"target x86-64 and aarch64; this machine is '{machine}'"
     ):
         build._build("scalar")
-    monkeypatch.setenv(build.ENV_ISA, "scalar")
+    monkeypatch.setenv(isa.ENV_ISA, "scalar")
     with pytest.raises(ValueError, match=f"this machine is '{machine}'"):
         native.selected_isa()
 
 
 def test_a_level_of_the_other_architecture_is_never_built(monkeypatch):
-    arch = build._arch()
+    arch = isa._arch()
     other = {"x86_64": "neon", "aarch64": "avx2"}.get(arch)
     if other is None:
         pytest.skip(f"no levels on {arch}")
@@ -206,14 +206,14 @@ def test_a_level_of_the_other_architecture_is_never_built(monkeypatch):
 
 
 def test_env_forces_a_lower_level_and_names_what_the_cpu_lacks(monkeypatch):
-    monkeypatch.setattr(build, "cpu_features", lambda: AVX2_ONLY)
-    monkeypatch.setattr(build, "_arch", lambda: "x86_64")
-    monkeypatch.setenv(build.ENV_ISA, "scalar")
+    monkeypatch.setattr(isa, "cpu_features", lambda: AVX2_ONLY)
+    monkeypatch.setattr(isa, "_arch", lambda: "x86_64")
+    monkeypatch.setenv(isa.ENV_ISA, "scalar")
     assert native.selected_isa() == "scalar"
-    monkeypatch.setenv(build.ENV_ISA, "avx512")
+    monkeypatch.setenv(isa.ENV_ISA, "avx512")
     with pytest.raises(ValueError, match="lacks avx512f, avx512bw, avx512vl, avx512dq"):
         native.selected_isa()
-    monkeypatch.setenv(build.ENV_ISA, "avx9000")
+    monkeypatch.setenv(isa.ENV_ISA, "avx9000")
     with pytest.raises(ValueError, match="'avx9000' is not supported"):
         native.selected_isa()
 
@@ -228,7 +228,7 @@ def test_a_level_the_cpu_lacks_is_never_built_or_loaded(monkeypatch):
         loads.append(k.get("name"))
         raise AssertionError("cpp_extension.load called for a level the CPU lacks")
 
-    monkeypatch.setattr(build, "cpu_features", lambda: AVX2_ONLY)
+    monkeypatch.setattr(isa, "cpu_features", lambda: AVX2_ONLY)
     monkeypatch.setattr(cpp_extension, "load", no_load)
     monkeypatch.setattr(build, "_states", {})
     for lvl in ("avx512", "avx512_bf16", "amx"):
@@ -242,7 +242,7 @@ def test_a_level_the_cpu_lacks_is_never_built_or_loaded(monkeypatch):
 
 def test_bad_env_level_makes_the_kernels_unavailable_saying_why(monkeypatch):
     monkeypatch.setattr(build, "_states", {})
-    monkeypatch.setenv(build.ENV_ISA, "avx9000")
+    monkeypatch.setenv(isa.ENV_ISA, "avx9000")
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert native.available() is False
@@ -271,7 +271,7 @@ def test_simulated_build_failure_warns_once(monkeypatch):
 
     monkeypatch.setattr(build, "_build", boom)
     monkeypatch.setattr(build, "_states", {})
-    monkeypatch.setenv(build.ENV_ISA, "scalar")
+    monkeypatch.setenv(isa.ENV_ISA, "scalar")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert native.available() is False

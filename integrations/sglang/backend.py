@@ -51,6 +51,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
+from mla_backend.selection import log_once
 
 logger = logging.getLogger("mla_backend.sglang")
 
@@ -136,6 +137,7 @@ class MLAAbsorbBackend(AttentionBackend):
                 _fail("a translating (unified) KV pool is not supported")
             self.kv_index_translator = translator
         self.policy = mb.Policy.from_env()
+        log_once(logger, self.device)  # what runs, once per process and device
         self.forward_metadata: MLAAbsorbMetadata | None = None
         # layer_id -> DeepseekV2AttentionMLA (weakly), bound by the forward-method handler.
         self._owners: dict[int, weakref.ReferenceType] = {}

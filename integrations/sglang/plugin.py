@@ -15,10 +15,11 @@ idempotent and:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from mla_backend_integrations.sglang import BACKEND_NAME
+
+from mla_backend.config import current
 
 logger = logging.getLogger("mla_backend.sglang")
 QK_ENV_VAR = "MLA_BACKEND_SGLANG_QK"
@@ -33,7 +34,7 @@ def create_mla_absorb_backend(runner: Any) -> Any:
 
 def qk_convention() -> str:
     """``split`` (default) or ``concat`` from ``MLA_BACKEND_SGLANG_QK``."""
-    value = os.environ.get(QK_ENV_VAR, "split").strip().lower()
+    value = current().sglang_qk.lower()
     if value not in ("split", "concat"):
         raise ValueError(f"{QK_ENV_VAR}={value!r} is not supported; use 'split' or 'concat'")
     return value

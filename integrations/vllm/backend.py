@@ -49,6 +49,7 @@ from vllm.v1.attention.backend import (
 import mla_backend as mb
 from mla_backend.cache_layout import ENGINE_NAMES, CacheLayout
 from mla_backend.index_cache import IndexerDims
+from mla_backend.selection import log_once
 
 logger = logging.getLogger("vllm.mla_absorb")
 
@@ -338,6 +339,7 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         :func:`mla_backend.weights_from_kv_b_proj`."""
         weights = mb.weights_from_kv_b_proj(self.kv_b_proj, self.dims, dtype=act_dtype)
         self._name_layout(act_dtype)
+        log_once(logger, weights.W_UK.device)  # what runs, once per process and device
         self.attn = mb.MLAAttention(self.dims, weights, self.scale)
 
     def _name_layout(self, model_dtype: torch.dtype) -> None:
@@ -412,14 +414,19 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         T = plan.num_tokens
         nope = self.dims.qk_nope_head_dim
         q = q.view(q.shape[0], self.num_heads, -1)
+        rows = output.view(output.shape[0], -1)
+        into = None  # the core writes the step's rows of vLLM's output in place where it can
+        if output.dtype == q.dtype and rows.shape[1] == self.num_heads * self.dims.v_head_dim:
+            into = rows[:T].view(T, self.num_heads, self.dims.v_head_dim)
         o = self.attn(
             q[:T, :, :nope],
             q[:T, :, nope:],
             self._cache_view(kv_c_and_k_pe_cache),
             plan,
             self._kv_scale(k_scale),
+            out=into,
         )
-        pad_rows(o, output.shape[0], out=output)
+        pad_rows(o, output.shape[0], out=output)  # zeroes the padding rows only
 
     def forward_mqa(
         self,

@@ -20,11 +20,12 @@ backend class declares its capabilities, so nothing is patched there.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from mla_backend_integrations.vllm import BACKEND_NAME, compat
 from mla_backend_integrations.vllm.compat import TESTED_VLLM_RANGE, vllm_version
+
+from mla_backend.config import current
 
 # a child of the "vllm" logger, so vLLM's logging configuration shows our messages
 logger = logging.getLogger("vllm.mla_absorb")
@@ -56,7 +57,7 @@ def check_vllm_version(version: str | None = None) -> None:
         f"attention backend (>= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}); set "
         f"{ALLOW_UNTESTED_ENV}=1 to try it anyway"
     )
-    if os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
+    if current().flag("allow_untested_vllm"):
         logger.warning(msg)
         return
     raise RuntimeError(msg)
@@ -161,8 +162,9 @@ def validate_dsa_config(vllm_config: Any) -> None:
     head dim vLLM's fp8 key cache and the core's layout hold (a multiple of 128, >= the RoPE
     dims), the indexer's query latent (``q_lora_rank``) and an fp8 indexer cache;
     ``ValueError`` names the value and what is supported."""
-    from mla_backend.index_cache import IndexCacheLayout
     from mla_backend_integrations.vllm.backend import indexer_dims
+
+    from mla_backend.index_cache import IndexCacheLayout
 
     hf = vllm_config.model_config.hf_text_config
     try:

@@ -1,16 +1,26 @@
-"""The device seam: the kernel interface every implementation provides and the one place that
-picks an implementation for a device (:mod:`.seam`), and the implementations as sibling
-packages of one shape, each exporting a ``Kernels`` class: :mod:`.torch` (plain PyTorch, the
-fallback), :mod:`.native` (C++ CPU kernels), :mod:`.triton` (GPU). Implementations compose the
-helpers they share instead of inheriting from each other: :mod:`.paged` (page gathers and the
-normal path's dequantized cache reads), :mod:`.sdpa` (torch's fused MHA with LSE).
+"""The device seam: the base class every kernel implementation extends and the typed records
+its calls take (:mod:`.base`), the registry implementations are registered in
+(:mod:`.registry`), and the implementations as sibling packages of one shape, each exporting a
+``Kernels`` class: :mod:`.torch` (plain PyTorch, the fallback), :mod:`.native` (C++ CPU
+kernels), :mod:`.triton` (GPU), :mod:`.flashinfer` (FlashInfer's MLA wrapper, composing
+Triton). Implementations share plain-torch helpers by composition, through the base class's
+defaults: :mod:`.paged` (page gathers, the normal path's dequantized cache reads), :mod:`.dense`
+(decompression), :mod:`.sdpa` (torch's fused MHA with LSE), :mod:`.indexer` / :mod:`.sparse`
+(DSA's lightning indexer and sparse attention).
 
-(The seam lives in its own module: importing the subpackage ``mla_backend.ops.torch`` binds the
-name ``torch`` in this package's namespace.)
+Which implementation runs on a device is decided once, above the implementations, by
+:func:`mla_backend.selection.resolve` (the registrations live there too).
+
+(No module here is named after an implementation: importing the subpackage
+``mla_backend.ops.torch`` binds the name ``torch`` in this package's namespace.)
 """
 
 from __future__ import annotations
 
-from .seam import ENV_VAR, IMPLS, KernelImpl, get_impl, impl_name
+from .base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
+from .registry import IMPLS
 
-__all__ = ["ENV_VAR", "IMPLS", "KernelImpl", "get_impl", "impl_name"]
+__all__ = [
+    "IMPLS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
+    "SparseCall",
+]  # fmt: skip

@@ -4,8 +4,8 @@ runs, and its case / output files.
 A :class:`Target` is one build of the driver: an x86-64 ISA level compiled for this host (plain,
 or with ``-fsanitize=address,undefined -fno-sanitize-recover=all``), or an aarch64 level
 cross-compiled static (``aarch64-linux-gnu-g++``) and run under ``qemu-aarch64 -cpu max`` at an
-SVE vector length. The levels and their flags come from ``mla_backend.ops.native.build``
-(:func:`~mla_backend.ops.native.build.arch_levels`, ``level_flags``); the sources are the
+SVE vector length. The levels and their flags come from ``mla_backend.ops.native.isa``
+(:func:`~mla_backend.ops.native.isa.arch_levels`, ``level_flags``); the sources are the
 kernels' ``csrc/`` with no torch include path, so an ATen include fails the build.
 
 Case files are records (u32 name length, name, u64 byte count, bytes; little endian): ints are
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..ops.native import build
+from ..ops.native import build, isa
 
 DRIVER = Path(__file__).resolve().parents[2] / "tests" / "native_core" / "driver.cpp"
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
@@ -66,7 +66,7 @@ class Target:
 
     def flags(self) -> list[str]:
         vl = {"vector_bits": self.vl_bits} if self.vl_bits else {}  # SVE: built per length
-        flags = build.level_flags(self.level, **vl) + ["-pthread", f"-I{build._CSRC}"]
+        flags = isa.level_flags(self.level, **vl) + ["-pthread", f"-I{build._CSRC}"]
         if self.sanitize:
             flags += ["-O1", "-g", *SANITIZE]  # the later -O1 wins over the level's -O3
         if self.emulated:
@@ -94,9 +94,9 @@ class Target:
 
 def uses_sve(level: str) -> bool:
     """Whether a level's code depends on the SVE vector length: its flags enable SVE, or
-    ``build.level_flags`` wants the vector length it is built for (``vector_bits``)."""
+    ``isa.level_flags`` wants the vector length it is built for (``vector_bits``)."""
     try:
-        flags = build.level_flags(level)
+        flags = isa.level_flags(level)
     except ValueError:  # no default vector length on this host: a per-length build
         return True
     return any("sve" in f for f in flags)
@@ -107,7 +107,7 @@ def targets(host_levels: Sequence[str]) -> list[Target]:
     (at every SVE vector length of :data:`SVE_VL_BITS` where it uses SVE)."""
     out = [Target("x86_64", lvl) for lvl in host_levels]
     out += [Target("x86_64", lvl, sanitize=True) for lvl in host_levels]
-    for lvl in build.arch_levels("aarch64"):
+    for lvl in isa.arch_levels("aarch64"):
         vls = SVE_VL_BITS if uses_sve(lvl) else (None,)
         out += [Target("aarch64", lvl, vl_bits=vl) for vl in vls]
     return out

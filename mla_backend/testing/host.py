@@ -101,7 +101,9 @@ def has_amx() -> bool:
 def describe() -> str:
     """One line naming the CPU and ISA levels, for every table and demo output."""
     isas = host_isas()
-    env = os.environ.get(ISA_ENV)
+    from ..config import current
+
+    env = current().native_isa
     return (
         f"CPU: {cpu_model()} ({os.cpu_count()} cores, {platform.machine()}); torch CPU "
         f"capability {torch_capability()}, AMX tiles {'yes' if has_amx() else 'no'}; "

@@ -264,7 +264,7 @@ std::string run_head_gemm(Case& c) {
   for_items(H * nb, th, [&](int64_t b, int64_t e) { mla_native::pack_heads_items(w, K, N, packed, b, e); });
   if (T > 0)
     for_items(H * nb, th, [&](int64_t b, int64_t e) {
-      mla_native::head_gemm_items(x, s0, s1, T, H, K, packed, N, y, b, e);
+      mla_native::head_gemm_items(x, s0, s1, T, H, K, packed, N, y, H * N, N, b, e);
     });
   return {};
 }

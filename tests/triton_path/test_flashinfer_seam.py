@@ -13,9 +13,10 @@ pytest.importorskip("triton")
 from triton_case import ON_GPU, TCase, assert_matches  # noqa: E402
 
 import mla_backend as mb  # noqa: E402
-from mla_backend.ops import seam  # noqa: E402
+from mla_backend import selection as seam  # noqa: E402
 from mla_backend.ops.flashinfer import Kernels as FlashInferKernels  # noqa: E402
 from mla_backend.ops.flashinfer import wrapper as fi  # noqa: E402
+from mla_backend.ops.triton.schedule import TritonSchedule  # noqa: E402
 
 DS = mb.MLADims(16, 512, 128, 64, 128)
 
@@ -57,7 +58,9 @@ def test_triton_serves_what_flashinfer_cannot() -> None:
     case = TCase([7, 40], [1, 3], H=4, r=32, rope=16, page_size=16, seed=5)
     impl = FlashInferKernels(num_kv_splits=3)
     plan = case.plan(impl)
-    assert plan.impl.name == "flashinfer" and len(plan.step.work.schedule) == 2
+    state = plan.step.work.state
+    assert plan.impl.name == "flashinfer" and state.wrapper is None
+    assert isinstance(state.triton, TritonSchedule)
     out = mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, plan, case.scale)
     assert_matches(case, out)
 

@@ -431,14 +431,14 @@ def test_refresh_rewrites_the_schedule() -> None:
                  phase=mb.Phase.DECODE)
     impl = TritonKernels(num_kv_splits=4, block_n=16)
     plan = case.plan(impl)
-    meta, base = plan.step.work.schedule
+    meta, base = plan.step.work.state.part_meta, plan.step.work.state.split_base
     addrs = (meta.data_ptr(), base.data_ptr())
     grown = TCase([40, 71, 13], [1, 1, 1], H=4, r=32, rope=16, page_size=16, seed=21,
                   phase=mb.Phase.DECODE)
     plan.refresh_(grown.batch)
     assert (meta.data_ptr(), base.data_ptr()) == addrs
-    fresh = grown.plan(impl).step.work.schedule
-    assert torch.equal(meta, fresh[0]) and torch.equal(base, fresh[1])
+    fresh = grown.plan(impl).step.work.state
+    assert torch.equal(meta, fresh.part_meta) and torch.equal(base, fresh.split_base)
     out = mb.absorbed_attention(grown.q_lat, grown.q_pe, grown.kv_cache, plan, grown.scale)
     assert_matches(grown, out)
 

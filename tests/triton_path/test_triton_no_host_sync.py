@@ -63,7 +63,7 @@ def test_op_bodies_read_no_tensor_data_on_host(cache_dtype: torch.dtype) -> None
     scale = None if case.kv_scale is None else case.kv_scale.float().reshape(())
     args = (q_lat, case.q_pe, case.kv_cache, part.block_table, part.prefix_lens_t,
             part.new_lens_t, part.cu_new_t, work.q_block_req, work.q_block_start,
-            *work.schedule, scale, 0.125, work.block_q, 16, 16, False)
+            work.state.part_meta, work.state.split_base, scale, 0.125, work.block_q, 16, 16, False)
     c_kv = torch.ones(2, 32, device=DEVICE, dtype=case.q_nope.dtype)
     k_pe = torch.ones(2, 16, device=DEVICE, dtype=case.q_nope.dtype)
     slots = torch.tensor([3, -1], device=DEVICE)

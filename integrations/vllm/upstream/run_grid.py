@@ -39,6 +39,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from mla_backend.config import current
+
 VLLM_VERSION = "0.32.0"
 SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
 SDIST_SHA256 = "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
@@ -99,7 +101,7 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MLA_BACKEND_CACHE") or os.path.expanduser("~/.cache/mla-backend")
+    root = os.path.expanduser(current().cache)
     return Path(root) / f"vllm-{VLLM_VERSION}-tests"
 
 

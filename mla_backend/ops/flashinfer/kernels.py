@@ -10,23 +10,39 @@ normal path) is the Triton implementation's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from ...cost import DeviceProfile
+from ...decision import Decision
+from ...parts import PlanState, StepShape
+from ..base import AbsorbedCall, KernelImpl, LatentWrite
 from ..triton import Kernels as TritonKernels
+from ..triton.schedule import TritonSchedule
 from . import wrapper as fi
 
-if TYPE_CHECKING:
-    from ...cache_layout import CacheLayout
-    from ...dims import MLADims
-    from ...parts import PlanPart
+
+@dataclass(frozen=True)
+class FlashInferState(PlanState):
+    """One part's plan state: the Triton schedule (for the calls FlashInfer does not serve)
+    and, where FlashInfer serves the part's dims and device, its planned wrapper."""
+
+    triton: TritonSchedule
+    wrapper: fi.MLAWrapperPlan | None
+
+    def copy_(self, other: PlanState) -> None:
+        if not isinstance(other, FlashInferState):
+            raise TypeError(f"cannot refresh a FlashInferState from {type(other).__name__}")
+        self.triton.copy_(other.triton)
+        if self.wrapper is not None and other.wrapper is not None:
+            self.wrapper.copy_(other.wrapper)
 
 
-class Kernels:
+class Kernels(KernelImpl):
     """FlashInfer's MLA paged attention for the absorbed path where it serves (see the module
-    doc), the Triton implementation (held as ``fallback``) for the rest: every seam method this
-    class does not define is the fallback's.
+    doc), composed with the Triton implementation (``fallback``) for the rest: each seam
+    method below names which of the two serves it.
 
     Knobs: ``dtype`` (bf16 default): the queries' and cache's dtype the wrapper is planned for;
     ``softmax_scale`` (default: the dims' ``1 / sqrt(nope + rope)``): the scale it is planned
@@ -50,54 +66,60 @@ class Kernels:
         self.softmax_scale = softmax_scale
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 
-    def __getattr__(self, name: str) -> object:
-        # only reached for attributes this class lacks: the Triton implementation's
-        if name == "fallback":
-            raise AttributeError(name)
-        return getattr(self.fallback, name)
-
     def __repr__(self) -> str:
         return f"ops.flashinfer.Kernels(dtype={self.dtype}, softmax_scale={self.softmax_scale})"
 
-    def work_schedule(
-        self, dims: MLADims, *shape: object, block_table: torch.Tensor, page_size: int
-    ) -> tuple[object, ...]:
-        """The Triton schedule (the fallback's) for ``shape`` = (new_lens, kv_lens, block_q,
-        num_parts, device), plus the part's planned FlashInfer wrapper when FlashInfer serves
-        these dims on this device."""
-        sched = self.fallback.work_schedule(dims, *shape)
-        new_lens, kv_lens, _, _, device = shape
-        if not fi.plan_serves(dims, device):
-            return sched
-        if device not in self._workspaces:
-            self._workspaces[device] = torch.empty(
-                fi.WORKSPACE_BYTES, dtype=torch.uint8, device=device
+    def describe(self, device: torch.device) -> dict[str, Decision]:
+        return {
+            **self.fallback.describe(device),
+            "absorbed": Decision(
+                "FlashInfer's BatchMLAPagedAttentionWrapper where it serves, Triton elsewhere",
+                f"FlashInfer serves CUDA, r {fi.KV_LORA_RANK}, rope {fi.ROPE_DIM}, "
+                "bf16/fp16 caches",
+            ),
+        }
+
+    # -- the Triton implementation's --------------------------------------------------------
+    def cost_profile(self, device: torch.device) -> DeviceProfile:
+        return self.fallback.cost_profile(device)
+
+    def work_shape(self, step: StepShape) -> tuple[int, int]:
+        return self.fallback.work_shape(step)
+
+    def write_latent(self, w: LatentWrite) -> None:
+        self.fallback.write_latent(w)
+
+    # -- FlashInfer's where it serves ------------------------------------------------------
+    def plan_state(self, step: StepShape, block_q: int, num_splits: int) -> FlashInferState:
+        """The Triton schedule, plus the part's planned FlashInfer wrapper when FlashInfer
+        serves these dims on this device."""
+        sched = self.fallback.plan_state(step, block_q, num_splits)
+        if not fi.plan_serves(step.dims, step.device):
+            return FlashInferState(sched, None)
+        if step.device not in self._workspaces:
+            self._workspaces[step.device] = torch.empty(
+                fi.WORKSPACE_BYTES, dtype=torch.uint8, device=step.device
             )
         scale = self.softmax_scale if self.softmax_scale is not None else (
-            dims.default_softmax_scale
+            step.dims.default_softmax_scale
         )
         plan = fi.MLAWrapperPlan(
-            self._workspaces[device], dims, new_lens, kv_lens, block_table, page_size,
-            self.dtype, scale,
+            self._workspaces[step.device], step.dims, step.new_lens, step.kv_lens,
+            step.block_table, step.page_size, self.dtype, scale,
         )
-        return (*sched, plan)
+        return FlashInferState(sched, plan)
 
-    def absorbed_attention(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        part: PlanPart,
-        softmax_scale: float,
-        kv_scale: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        sched = part.work.schedule
-        plan = sched[2] if len(sched) > 2 else None
+    def absorbed_attention(self, call: AbsorbedCall) -> tuple[torch.Tensor, torch.Tensor]:
+        state = call.part.work.state
+        if not isinstance(state, FlashInferState):
+            raise ValueError(
+                f"the plan part's state is {type(state).__name__}, not FlashInfer's: plan the "
+                "step with mla_backend.ops.flashinfer.Kernels"
+            )
+        plan = state.wrapper
         if plan is not None and fi.run_serves(
-            q_lat.dtype, kv_cache.dtype, plan.dtype, softmax_scale, plan.softmax_scale, kv_scale
+            call.q_lat.dtype, call.kv_cache.dtype, plan.dtype, call.softmax_scale,
+            plan.softmax_scale, call.kv_scale,
         ):
-            return plan.run(q_lat, q_pe, kv_cache)
-        return self.fallback.absorbed_attention(
-            q_lat, q_pe, kv_cache, layout, part, softmax_scale, kv_scale
-        )
+            return call.deliver(*plan.run(call.q_lat, call.q_pe, call.kv_cache))
+        return self.fallback.run_scheduled(call, state.triton)

@@ -1,14 +1,15 @@
 """Native C++ CPU kernels for absorbed MLA, the device seam's ``native`` implementation.
 
-- :mod:`.build`: the loader: one build per ISA level (:data:`ISA_LEVELS`, the running
-  architecture's: scalar, avx2, avx512, avx512_bf16, amx on x86-64; scalar, neon, neon_bf16,
-  sve on aarch64), compiled at first use for the levels the CPU executes (:func:`host_isas`),
-  the best one (or ``MLA_BACKEND_NATIVE_ISA``) selected (:func:`selected_isa`), each level's
-  ops under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
+- :mod:`.isa`: the ISA levels (:data:`ISA_LEVELS`, the running architecture's: scalar, avx2,
+  avx512, avx512_bf16, amx on x86-64; scalar, neon, neon_bf16, sve on aarch64), their compiler
+  flags, the levels the CPU executes (:func:`host_isas`) and the selected one (the best, or
+  ``MLA_BACKEND_NATIVE_ISA``: :func:`selected_isa`, with its reason :func:`isa.select_isa`);
+- :mod:`.build`: the loader: one build per level, compiled at first use, each level's ops
+  under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
 - :mod:`.build_lock`: each build / load under an OS lock, so a killed build's stale torch
   ``lock`` file never blocks later loads (waits bounded by ``MLA_BACKEND_NATIVE_LOCK_TIMEOUT``);
 - :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
-- :mod:`.kernels`: :class:`Kernels`, the :class:`mla_backend.ops.KernelImpl` over them;
+- :mod:`.kernels`: :class:`Kernels`, the seam's implementation over them;
 - :mod:`.engine`: which compute engine runs the absorbed attention, per level and CPU;
 - ``csrc/``: the C++ sources: ``vec.h`` (the vector layer: fp32 vectors of the level's width,
   AVX-512 / AVX2 + FMA + F16C / SVE / NEON / portable, with bf16 / fp16 / e4m3 widening
@@ -43,15 +44,8 @@ to the probabilities before P·V, never by writing a dequantized copy of the cac
 
 from __future__ import annotations
 
-from .build import (
-    HEAD_GEMM_COLS,
-    ISA_LEVELS,
-    available,
-    host_isas,
-    op_namespace,
-    selected_isa,
-    unavailable_reason,
-)
+from .build import HEAD_GEMM_COLS, available, op_namespace, unavailable_reason
+from .isa import ISA_LEVELS, host_isas, selected_isa
 from .kernels import Kernels
 from .ops import (
     absorbed_attention,

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ...config import current
+
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT_S",
     "ENV_LOCK_TIMEOUT",
@@ -59,8 +61,8 @@ def lock_path(build_dir: Path) -> Path:
 
 def lock_timeout() -> float:
     """``MLA_BACKEND_NATIVE_LOCK_TIMEOUT`` in seconds (>= 0), else the default."""
-    raw = os.environ.get(ENV_LOCK_TIMEOUT, "").strip()
-    if not raw:
+    raw = current().native_lock_timeout
+    if not current().is_set(ENV_LOCK_TIMEOUT):
         return DEFAULT_LOCK_TIMEOUT_S
     try:
         value = float(raw)

@@ -31,10 +31,10 @@ run raises ``ValueError`` naming it.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
-from .build import AARCH64_LEVELS, X86_LEVELS
+from ...config import current
+from .isa import AARCH64_LEVELS, X86_LEVELS
 
 __all__ = [
     "ENGINES",
@@ -43,6 +43,7 @@ __all__ = [
     "cpu_vendor",
     "engine_code",
     "level_engines",
+    "select_engine",
 ]
 
 #: engine name -> the op's bit set (1: AVX512-BF16 vector engine, 2: AMX engine)
@@ -81,22 +82,34 @@ def level_engines(isa: str) -> tuple[str, ...]:
     return ("fp32",)
 
 
-def attention_engine(isa: str, vendor: str | None = None) -> str:
-    """The engine the native absorbed attention uses at level ``isa`` on this CPU (or on a CPU of
-    ``vendor``): ``MLA_BACKEND_NATIVE_ENGINE`` when set, else the rule of this module."""
+def select_engine(isa: str, vendor: str | None = None) -> tuple[str, str]:
+    """(engine, why) of the native absorbed attention at level ``isa`` on this CPU (or on a CPU
+    of ``vendor``): ``MLA_BACKEND_NATIVE_ENGINE`` when set (ValueError naming it if the level
+    cannot run it), else the rule of this module."""
     runnable = level_engines(isa)
-    forced = os.environ.get(ENV_ENGINE, "").strip()
+    forced = current().native_engine
     if forced:
         if forced not in runnable:
             raise ValueError(
                 f"{ENV_ENGINE}={forced!r} is not supported at ISA level {isa!r}; use one of "
                 f"{runnable}"
             )
-        return forced
+        return forced, f"{ENV_ENGINE}={forced}"
     if len(runnable) == 1:
-        return "fp32"
-    vec = "bf16" if (cpu_vendor() if vendor is None else vendor) in _BF16_DOT_VENDORS else "fp32"
-    return f"amx+{vec}" if isa == "amx" else vec
+        return "fp32", f"the only engine of level {isa}"
+    who = cpu_vendor() if vendor is None else vendor
+    if who in _BF16_DOT_VENDORS:
+        vec, why = "bf16", f"{who}: vdpbf16ps outruns fp32 FMA"
+    else:
+        vec, why = "fp32", f"{who or 'unknown vendor'}: fp32 FMA outruns vdpbf16ps"
+    if isa == "amx":
+        return f"amx+{vec}", f"AMX tiles for >= 16 query rows; vector engine: {why}"
+    return vec, why
+
+
+def attention_engine(isa: str, vendor: str | None = None) -> str:
+    """The engine of :func:`select_engine` without the reason."""
+    return select_engine(isa, vendor)[0]
 
 
 def engine_code(engine: str) -> int:

@@ -3,33 +3,29 @@ and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (co
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
 :meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
-ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: torch's bmm, mm and SDPA); the
-normal path's cache reads from the shared helpers (:mod:`mla_backend.ops.paged`); DSA's indexer
-(logits, top-k) and sparse attention from their C++ kernels, the index-key write from the torch
-helper (:mod:`mla_backend.ops.indexer`)."""
+ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the base class's torch defaults);
+the normal path's cache reads from the base class (:mod:`mla_backend.ops.paged`); DSA's
+indexer (logits, top-k) and sparse attention from their C++ kernels, the index-key write from the
+base class's torch default."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...cost import DeviceProfile
-from ...weights import absorb_q, apply_W_UV
-from .. import dense, indexer, paged, sdpa
+from ...decision import Decision
+from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
 from . import ops as native
-from .build import ISA_LEVELS, selected_isa
-from .engine import attention_engine
+from .engine import select_engine
+from .isa import ISA_LEVELS, select_isa
 from .profile import profile_for
 
 if TYPE_CHECKING:
-    from ...cache_layout import CacheLayout
-    from ...dims import MLADims
     from ...index_cache import IndexCacheLayout
-    from ...parts import PlanPart, SparsePart
     from ...weights import AbsorbWeights
 
 
@@ -49,15 +45,12 @@ def torch_bf16_on_amx() -> bool:
     return onednn in ("", "ALL", "DEFAULT") or "AMX" in onednn
 
 
-class Kernels:
+class Kernels(KernelImpl):
     """Native CPU kernels of one ISA level (``isa``, one of :data:`ISA_LEVELS`; None = the
     selected level, :func:`mla_backend.ops.native.selected_isa`). Tuning knob:
     ``num_kv_splits`` (0 = the kernel chooses)."""
 
     name = "native"
-    # shared helpers (composition: each is the same function in every implementation)
-    gather_latent = staticmethod(paged.gather_latent)
-    write_index_keys = staticmethod(indexer.write_index_keys)
 
     def __init__(self, isa: str | None = None, *, num_kv_splits: int = 0) -> None:
         if num_kv_splits < 0:
@@ -67,32 +60,72 @@ class Kernels:
         #: the ISA level the kernels run at (None: the loader's pick); keys the cost profile
         self.isa = isa
         self.num_kv_splits = num_kv_splits
-        self._level: str | None = None
+        self._level: Decision | None = None
+        self._engine: Decision | None = None
 
     @property
     def level(self) -> str:
         """The ISA level these kernels run at (``isa``, or the process's selected level)."""
+        return self._level_decision().value
+
+    def _level_decision(self) -> Decision:
         if self._level is None:
-            self._level = self.isa if self.isa is not None else selected_isa()
+            if self.isa is not None:
+                self._level = Decision(self.isa, "chosen by the caller (Kernels(isa=...))")
+            else:
+                self._level = Decision(*select_isa())
         return self._level
+
+    @property
+    def engine(self) -> str:
+        """The absorbed attention's compute engine at this level on this CPU (resolved once)."""
+        return self._engine_decision().value
+
+    def _engine_decision(self) -> Decision:
+        if self._engine is None:
+            self._engine = Decision(*select_engine(self.level))
+        return self._engine
 
     def _torch_bf16_is_faster(self, rows: int) -> bool:
         """The one dispatch rule for compute-bound bf16 shapes: on a CPU with AMX tiles (level
         ``amx``) torch's bf16 GEMM and SDPA run on AMX through oneDNN and beat our kernels from
-        :data:`AMX_TORCH_MIN_ROWS` rows on (measured, ``python -m benchmarks gemm``: head GEMM
-        at 512 rows 1.0 vs 2.5 ms, MHA 1.25-1.37x, decompression 41 vs 51 ms per 4K tokens);
-        at every other level, and at ``amx`` when torch itself is capped below AMX
+        :data:`AMX_TORCH_MIN_ROWS` rows on (measured with ``python -m benchmarks gemm``); at
+        every other level, and at ``amx`` when torch itself is capped below AMX
         (:func:`torch_bf16_on_amx`), our kernels are the fast ones (torch's bf16 GEMM without
-        bf16 dot products runs at ~1 GFLOP/s: a normal prefill took 19 s instead of 0.3)."""
+        bf16 dot products runs at ~1 GFLOP/s)."""
         return self.level == "amx" and rows >= AMX_TORCH_MIN_ROWS and torch_bf16_on_amx()
 
     def __repr__(self) -> str:
         return f"ops.native.Kernels(isa={self.isa!r}, num_kv_splits={self.num_kv_splits})"
 
+    def describe(self, device: torch.device) -> dict[str, Decision]:
+        level, engine = self._level_decision(), self._engine_decision()
+        if level.value == "amx" and torch_bf16_on_amx():
+            gemm = Decision(
+                f"torch's AMX bf16 GEMM/SDPA from {AMX_TORCH_MIN_ROWS} rows, ours below",
+                "level amx and torch's kernels reach AMX tiles",
+            )
+        else:
+            why = (
+                "torch is capped below AMX in this process" if level.value == "amx"
+                else f"level {level.value}: torch's bf16 GEMM has no AMX tiles to beat ours"
+            )
+            gemm = Decision("ours at every size (bf16)", why)
+        profile = Decision(
+            f"native/{level.value}+{engine.value}",
+            "fitted by python -m benchmarks policy --fit (mla_backend/ops/native/profile.py)",
+        )
+        return {
+            "isa": level,
+            "attention_engine": engine,
+            "gemm_dispatch": gemm,
+            "cost_profile": profile,
+        }
+
     def cost_profile(self, device: torch.device) -> DeviceProfile:
         """The measured profile of the native kernels at this ISA level and attention engine
         (:mod:`.profile`)."""
-        return profile_for(self.level, attention_engine(self.level))
+        return profile_for(self.level, self.engine)
 
     def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
         """bf16 CPU weights: add their packed copies (W_UK's and W_UV's element count again,
@@ -110,95 +143,76 @@ class Kernels:
             W_UV_packed=native.pack_heads(weights.W_UV, isa=self.level),
         )
 
-    def absorb_q(self, q_nope: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
-        if (
-            weights.W_UK_packed is None
-            or q_nope.dtype != torch.bfloat16
-            or self._torch_bf16_is_faster(q_nope.shape[0])
-        ):
-            return absorb_q(q_nope, weights)
-        return native.head_gemm(q_nope, weights.W_UK_packed, weights.W_UK.shape[-1], isa=self.level)
+    def _head_gemm(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        packed: torch.Tensor | None,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Our head GEMM where it serves (bf16, packed weights, the dispatch rule), else None."""
+        if packed is None or x.dtype != torch.bfloat16 or self._torch_bf16_is_faster(x.shape[0]):
+            return None
+        if out is not None and (out.dtype != torch.bfloat16 or out.stride(-1) != 1):
+            return None
+        return native.head_gemm(x, packed, w.shape[-1], out=out, isa=self.level)
 
-    def apply_W_UV(self, o_lat: torch.Tensor, weights: AbsorbWeights) -> torch.Tensor:
-        if (
-            weights.W_UV_packed is None
-            or o_lat.dtype != torch.bfloat16
-            or self._torch_bf16_is_faster(o_lat.shape[0])
-        ):
-            return apply_W_UV(o_lat, weights)
-        return native.head_gemm(o_lat, weights.W_UV_packed, weights.W_UV.shape[-1], isa=self.level)
+    def absorb_q(
+        self, q_nope: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = self._head_gemm(q_nope, weights.W_UK, weights.W_UK_packed, out)
+        return y if y is not None else super().absorb_q(q_nope, weights, out)
+
+    def apply_W_UV(
+        self, o_lat: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        y = self._head_gemm(o_lat, weights.W_UV, weights.W_UV_packed, out)
+        return y if y is not None else super().apply_W_UV(o_lat, weights, out)
 
     def attention_with_lse(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bf16 = q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu"
         if bf16 and not self._torch_bf16_is_faster(q.shape[1] * q.shape[0]):
             return native.attention_with_lse(q, k, v, causal, scale, isa=self.level)
-        return sdpa.attention_with_lse(q, k, v, causal, scale)
+        return super().attention_with_lse(q, k, v, causal, scale)
 
     def decompress(
-        self,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        W_UK: torch.Tensor,
-        W_UV: torch.Tensor,
+        self, c_kv: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ts = (c_kv, k_pe, W_UK, W_UV)
         bf16 = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
         if bf16 and not self._torch_bf16_is_faster(c_kv.shape[0]):
             return native.decompress(c_kv, k_pe, W_UK, W_UV, isa=self.level)
-        return dense.decompress(c_kv, k_pe, W_UK, W_UV)
+        return super().decompress(c_kv, k_pe, W_UK, W_UV)
 
-    def work_shape(
-        self,
-        dims: MLADims,
-        new_lens: Sequence[int],
-        kv_lens: Sequence[int],
-        device: torch.device,
-    ) -> tuple[int, int]:
-        return max(1, max(new_lens, default=1)), self.num_kv_splits
+    def work_shape(self, step: StepShape) -> tuple[int, int]:
+        return max(1, max(step.new_lens, default=1)), self.num_kv_splits
 
-    def write_latent(
-        self,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_scale: torch.Tensor | None,
-    ) -> None:
-        native.write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale, isa=self.level)
+    def write_latent(self, w: LatentWrite) -> None:
+        native.write_latent(
+            w.kv_cache, w.c_kv, w.k_pe, w.slot_mapping, w.kv_scale, isa=self.level
+        )
 
-    def absorbed_attention(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        part: PlanPart,
-        softmax_scale: float,
-        kv_scale: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def absorbed_attention(self, call: AbsorbedCall) -> tuple[torch.Tensor, torch.Tensor]:
         # page ids were bounds-checked at the entry point against part.max_page_id (O(1)); the
         # op checks it once more against the cache (O(1)) instead of scanning the block table
-        return native.absorbed_attention(
-            q_lat,
-            q_pe,
-            kv_cache,
+        part = call.part
+        o, lse = native.absorbed_attention(
+            call.q_lat,
+            call.q_pe,
+            call.kv_cache,
             part.block_table,
             part.cu_new_t,
             part.kv_lens_t,
-            softmax_scale,
-            kv_scale,
+            call.softmax_scale,
+            call.kv_scale,
             part.work.num_kv_splits,
             part.max_page_id,
             isa=self.level,
+            engine=self.engine,
         )
+        return call.deliver(o, lse)
 
     @staticmethod
     def _native_index(layout: IndexCacheLayout) -> bool:
@@ -208,64 +222,34 @@ class Kernels:
             return True
         return layout.quant_block_size % 2 == 0 and layout.scales_per_key <= 64
 
-    def indexer_logits(
-        self,
-        q_I: torch.Tensor,
-        weights: torch.Tensor,
-        index_cache: torch.Tensor,
-        layout: IndexCacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if not self._native_index(layout):
-            return indexer.indexer_logits(
-                q_I, weights, index_cache, layout, part, sparse_part, out
-            )
+    def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
+        c = call
+        if not self._native_index(c.layout):
+            return super().indexer_logits(c)
         res = native.indexer_logits(
-            q_I, weights, index_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
-            layout.quant_block_size, sparse_part.max_kv_len, part.max_page_id, isa=self.level,
+            c.q_I, c.weights, c.index_cache, c.part.block_table, c.part.cu_new_t,
+            c.part.kv_lens_t, c.layout.quant_block_size, c.sparse.max_kv_len,
+            c.part.max_page_id, isa=self.level,
         )  # fmt: skip
-        return res if out is None else out.copy_(res)
+        return res if c.out is None else c.out.copy_(res)
 
-    def indexer_topk(
-        self,
-        q_I: torch.Tensor,
-        weights: torch.Tensor,
-        index_cache: torch.Tensor,
-        layout: IndexCacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        topk: int,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if not self._native_index(layout):
-            return indexer.indexer_topk(
-                q_I, weights, index_cache, layout, part, sparse_part, topk, out
-            )
+    def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
+        c = call
+        if not self._native_index(c.layout):
+            return super().indexer_topk(c)
         return native.indexer_topk(
-            q_I, weights, index_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
-            layout.quant_block_size, topk, part.max_page_id, out, isa=self.level,
-        )  # fmt: skip
-
-    def sparse_absorbed_attention(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        part: PlanPart,
-        sparse_part: SparsePart,
-        indices: torch.Tensor,
-        softmax_scale: float,
-        kv_scale: torch.Tensor | None,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # page ids were bounds-checked at the entry point (part.max_page_id); the op checks
-        # every index against its request's kv length before reading the cache
-        return native.sparse_attention(
-            q_lat, q_pe, kv_cache, part.block_table, part.cu_new_t, part.kv_lens_t, indices,
-            sparse_part.token_req_t, softmax_scale, kv_scale, part.max_page_id, out, lse,
+            c.q_I, c.weights, c.index_cache, c.part.block_table, c.part.cu_new_t,
+            c.part.kv_lens_t, c.layout.quant_block_size, c.topk, c.part.max_page_id, c.out,
             isa=self.level,
         )  # fmt: skip
+
+    def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
+        # page ids were bounds-checked at the entry point (part.max_page_id); the op checks
+        # every index against its request's kv length before reading the cache
+        a = call.attn
+        o, lse = native.sparse_attention(
+            a.q_lat, a.q_pe, a.kv_cache, a.part.block_table, a.part.cu_new_t, a.part.kv_lens_t,
+            call.indices, call.sparse.token_req_t, a.softmax_scale, a.kv_scale,
+            a.part.max_page_id, a.out, a.lse, isa=self.level, engine=self.engine,
+        )  # fmt: skip
+        return a.deliver(o, lse)

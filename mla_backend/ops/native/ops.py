@@ -120,7 +120,12 @@ def pack_heads(w: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
 
 
 def head_gemm(
-    x: torch.Tensor, packed: torch.Tensor, n: int, *, isa: str | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    *,
+    out: torch.Tensor | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """``y[t, h] = x[t, h] · w[h]`` for every head, w given packed (:func:`pack_heads`).
 
@@ -128,10 +133,17 @@ def head_gemm(
         x: [T, H, K] bfloat16, last dim contiguous (any other strides: a view of q is fine).
         packed: :func:`pack_heads` of w [H, K, N].
         n: N, the output width.
+        out: optional [T, H, N] bfloat16 buffer, last dim contiguous (any other strides: a
+            view of an engine's output), written in place.
     Returns:
-        y: [T, H, N] bfloat16, contiguous; fp32 sums, rounded once (nearest even).
+        y: [T, H, N] bfloat16 (``out``, else new and contiguous); fp32 sums, rounded once
+        (nearest even).
     """
-    return op_namespace(isa).native_head_gemm(x, packed, int(n))
+    ns = op_namespace(isa)
+    if out is None:
+        return ns.native_head_gemm(x, packed, int(n))
+    ns.native_head_gemm_out(x, packed, out)
+    return out
 
 
 def attention_with_lse(

@@ -1,33 +1,25 @@
 """The Triton implementation of the device seam (:class:`Kernels`): the custom ops of
 :mod:`.ops` for the cache write and the absorbed attention (with its plan-time schedule,
-:mod:`.schedule`); the normal path's cache reads and MHA (torch's fused SDPA) from the helpers
-every implementation shares, and DSA's indexer and sparse attention in plain torch from the
-shared helpers (:mod:`mla_backend.ops.indexer`, :mod:`mla_backend.ops.sparse`) until Triton
-kernels of their own exist."""
+:mod:`.schedule`); the normal path's cache reads and MHA (torch's fused SDPA) are the base
+class's defaults."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
-from ...weights import absorb_q, apply_W_UV
-from .. import dense, indexer, paged, sdpa, sparse
+from ...decision import Decision
+from ...dims import MLADims
+from ...parts import StepShape
+from ..base import AbsorbedCall, KernelImpl, LatentWrite
 from . import ops as triton_ops  # by module: tests reload it and patch its functions
 from . import schedule
 from .jit import heuristics as hx
-
-if TYPE_CHECKING:
-    from ...cache_layout import CacheLayout
-    from ...dims import MLADims
-    from ...parts import PlanPart
-    from ...weights import AbsorbWeights
+from .schedule import TritonSchedule
 
 
-class Kernels:
+class Kernels(KernelImpl):
     """The Triton implementation of :class:`mla_backend.ops.KernelImpl`.
 
     Tuning knobs (keyword arguments; tests use them to force paths):
@@ -41,16 +33,6 @@ class Kernels:
     """
 
     name = "triton"
-    # shared helpers (composition: each is the same function in every implementation)
-    absorb_q = staticmethod(absorb_q)
-    apply_W_UV = staticmethod(apply_W_UV)
-    attention_with_lse = staticmethod(sdpa.attention_with_lse)
-    decompress = staticmethod(dense.decompress)
-    gather_latent = staticmethod(paged.gather_latent)
-    write_index_keys = staticmethod(indexer.write_index_keys)
-    indexer_logits = staticmethod(indexer.indexer_logits)
-    indexer_topk = staticmethod(indexer.indexer_topk)
-    sparse_absorbed_attention = staticmethod(sparse.sparse_absorbed_attention)
 
     def __init__(
         self,
@@ -78,23 +60,30 @@ class Kernels:
             f"rows_per_program={self.rows_per_program}, fp8_mode={self.fp8_mode})"
         )
 
+    def describe(self, device: torch.device) -> dict[str, Decision]:
+        interp = hx.interpreting()
+        where = "the interpreter (TRITON_INTERPRET=1)" if interp else device.type
+        return {
+            "kernels": Decision(f"Triton {triton.__version__}", f"runs on {where}"),
+            "cost_profile": Decision(
+                "CPU (interpreter)" if device.type == "cpu" else "GPU (FlashMLA's H800 figures)",
+                "not fitted to a measured GPU yet",
+            ),
+        }
+
     def cost_profile(self, device: torch.device) -> DeviceProfile:
         """The GPU's (FlashMLA's published figures); CPU tensors (the interpreter): the CPU's."""
         return CPU_PROFILE if device.type == "cpu" else GPU_PROFILE
 
-    def work_shape(
-        self,
-        dims: MLADims,
-        new_lens: Sequence[int],
-        kv_lens: Sequence[int],
-        device: torch.device,
-    ) -> tuple[int, int]:
+    def work_shape(self, step: StepShape) -> tuple[int, int]:
+        dims = step.dims
         block_q, block_h = hx.attention_tiles(
-            dims.num_heads, max(new_lens, default=1), self.rows_per_program
+            dims.num_heads, max(step.new_lens, default=1), self.rows_per_program
         )
         if self.num_kv_splits is not None:
             return block_q, self.num_kv_splits
-        return block_q, hx.num_parts(triton.cdiv(dims.num_heads, block_h), hx.sm_count(device))
+        heads = triton.cdiv(dims.num_heads, block_h)
+        return block_q, hx.num_parts(heads, hx.sm_count(step.device))
 
     def _block_h(self, dims: MLADims, block_q: int) -> int:
         return hx.attention_tiles(dims.num_heads, block_q, self.rows_per_program)[1]
@@ -105,53 +94,34 @@ class Kernels:
         block_h = self._block_h(dims, block_q)
         return hx.kv_block(hx.dim_block(dims.kv_lora_rank), block_q * block_h)
 
-    def work_schedule(
-        self,
-        dims: MLADims,
-        new_lens: Sequence[int],
-        kv_lens: Sequence[int],
-        block_q: int,
-        num_parts: int,
-        device: torch.device,
-        **_: object,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(part_meta [num_parts, 5], split_base [W + 1]) int32: the plan-time schedule of
-        :mod:`mla_backend.ops.triton.schedule`, from the plan's host ints (the plan's other
-        keyword arguments, ``block_table`` and ``page_size``, are not needed)."""
-        block_n = self._block_n(dims, block_q)
-        tiles = schedule.query_block_tiles(new_lens, kv_lens, block_q, block_n)
+    def plan_state(self, step: StepShape, block_q: int, num_splits: int) -> TritonSchedule:
+        """The plan-time split schedule of :mod:`mla_backend.ops.triton.schedule`, from the
+        plan's host ints."""
+        block_n = self._block_n(step.dims, block_q)
+        tiles = schedule.query_block_tiles(step.new_lens, step.kv_lens, block_q, block_n)
         overhead = -(-hx.OVERHEAD_KV_ROWS // block_n)
         min_units = 1 if self.num_kv_splits is not None else hx.MIN_KV_ROWS_PER_PART // block_n
-        return schedule.schedule_tensors(tiles, num_parts, overhead, min_units, block_n, device)
-
-    def prepare_weights(self, weights: AbsorbWeights) -> AbsorbWeights:
-        return weights
-
-    def write_latent(
-        self,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_scale: torch.Tensor | None,
-    ) -> None:
-        triton_ops.write_latent(
-            kv_cache, c_kv, k_pe, slot_mapping, kv_scale, fp8_mode=self.fp8_mode
+        return schedule.schedule_tensors(
+            tiles, num_splits, overhead, min_units, block_n, step.device
         )
 
-    def absorbed_attention(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        part: PlanPart,
-        softmax_scale: float,
-        kv_scale: torch.Tensor | None,
+    def write_latent(self, w: LatentWrite) -> None:
+        triton_ops.write_latent(
+            w.kv_cache, w.c_kv, w.k_pe, w.slot_mapping, w.kv_scale, fp8_mode=self.fp8_mode
+        )
+
+    def absorbed_attention(self, call: AbsorbedCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.run_scheduled(call, None)
+
+    def run_scheduled(
+        self, call: AbsorbedCall, state: TritonSchedule | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return triton_ops.absorbed_attention(
-            q_lat, q_pe, kv_cache, part, softmax_scale, kv_scale,
-            block_n=self._block_n(part.dims, part.work.block_q),
+        """The absorbed attention on ``state`` (None: the part's own plan state): the entry for
+        an implementation that composes this one and keeps the schedule inside its own state."""
+        part = call.part
+        o, lse = triton_ops.absorbed_attention(
+            call.q_lat, call.q_pe, call.kv_cache, part, call.softmax_scale, call.kv_scale,
+            schedule=state, block_n=self._block_n(part.dims, part.work.block_q),
             block_h=self._block_h(part.dims, part.work.block_q), fp8_mode=self.fp8_mode,
         )
+        return call.deliver(o, lse)

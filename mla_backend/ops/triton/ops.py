@@ -51,7 +51,7 @@ from ...cache_layout import FP8_TILE, CacheLayout
 from .jit import heuristics as hx
 from .jit.attention import absorbed_attn_kernel, merge_splits_kernel
 from .jit.cache_write import write_latent_ds_kernel, write_latent_kernel
-from .schedule import max_partial_slots
+from .schedule import TritonSchedule, max_partial_slots
 
 if TYPE_CHECKING:
     from ...parts import PlanPart
@@ -405,6 +405,7 @@ def absorbed_attention(
     softmax_scale: float,
     kv_scale: torch.Tensor | None = None,
     *,
+    schedule: TritonSchedule | None = None,
     block_n: int | None = None,
     block_h: int | None = None,
     fp8_mode: str | None = None,
@@ -419,8 +420,8 @@ def absorbed_attention(
             ``fp8_ds_mla`` rows (tile scales applied in-kernel; k_pe in q_lat's dtype; kv_scale
             ignored); holds every request's ``prefix_lens[i] + new_lens[i]`` tokens.
         part: the plan's requests (T == part.num_tokens); its work partition gives the query
-            blocks and the schedule (``work.schedule``: part_meta, split_base, made by
-            :meth:`mla_backend.ops.triton.Kernels.work_schedule`).
+            blocks and, unless ``schedule`` is given, the schedule (``work.state``, a
+            :class:`TritonSchedule` made by :meth:`mla_backend.ops.triton.Kernels.plan_state`).
         softmax_scale: applied to ``q·k`` (a Python float).
         kv_scale: float32 scalar: cached values are ``stored * kv_scale`` (fp8 caches).
         block_n: kv rows per inner-loop step (power of two >= 16; default
@@ -472,14 +473,13 @@ def absorbed_attention(
         and _resolve_fp8_mode(fp8_mode, device) == "bits"
     )
     work = part.work
-    if len(work.schedule) < 2 or not all(
-        isinstance(t, torch.Tensor) for t in work.schedule[:2]
-    ):
+    schedule = schedule if schedule is not None else work.state
+    if not isinstance(schedule, TritonSchedule):
         raise ValueError(
-            "the plan part has no Triton schedule (work.schedule = (part_meta, split_base, "
-            "...)): plan the step with mla_backend.ops.triton.Kernels"
+            "the plan part has no Triton schedule (work.state is "
+            f"{type(work.state).__name__}): plan the step with mla_backend.ops.triton.Kernels"
         )
-    part_meta, split_base = work.schedule[:2]
+    part_meta, split_base = schedule.part_meta, schedule.split_base
     return torch.ops.mla_backend.triton_absorbed_attention(
         _last_dim_contiguous(q_lat),
         _last_dim_contiguous(q_pe.to(q_lat.dtype)),

@@ -31,8 +31,26 @@ buffers are bounded by :func:`max_partial_slots`, whatever the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from ...parts import PlanState
+
+
+@dataclass(frozen=True)
+class TritonSchedule(PlanState):
+    """The Triton kernel's per-plan state of one part: ``part_meta`` [num_parts, 5] and
+    ``split_base`` [W + 1] int32 on the plan's device (see the module doc)."""
+
+    part_meta: torch.Tensor
+    split_base: torch.Tensor
+
+    def copy_(self, other: PlanState) -> None:
+        if not isinstance(other, TritonSchedule):
+            raise TypeError(f"cannot refresh a TritonSchedule from {type(other).__name__}")
+        self.part_meta.copy_(other.part_meta)
+        self.split_base.copy_(other.split_base)
 
 
 def query_block_tiles(
@@ -115,11 +133,11 @@ def schedule_tensors(
     min_units: int,
     block_n: int,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(part_meta [num_parts, 5], split_base [W + 1]) int32 on ``device`` (see
-    :func:`build_schedule`)."""
+) -> TritonSchedule:
+    """The :class:`TritonSchedule` (part_meta [num_parts, 5], split_base [W + 1], int32 on
+    ``device``) of :func:`build_schedule`."""
     meta, base = build_schedule(tiles, num_parts, overhead, min_units, block_n)
-    return (
+    return TritonSchedule(
         torch.tensor(meta, dtype=torch.int32, device=device).reshape(num_parts, 5),
         torch.tensor(base, dtype=torch.int32, device=device),
     )

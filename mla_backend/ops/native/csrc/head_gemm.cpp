@@ -2,7 +2,8 @@
 //
 //   y[t, h, n] = sum_k x[t, h, k] * w[h, k, n]     x [T, H, K] bf16 (last dim contiguous, any
 //                                                  other strides), w [H, K, N] bf16,
-//                                                  y [T, H, N] bf16 (new, contiguous)
+//                                                  y [T, H, N] bf16 (new, contiguous; or
+//                                                  the caller's, last dim contiguous)
 //
 // The weight is packed once per layer (native_pack_heads) into VNNI pairs in blocks of 64
 // output columns: packed[h][nb][k / 2][c][2] = (w[h][k][nb*64 + c], w[h][k+1][nb*64 + c]),
@@ -42,9 +43,11 @@ void pack_heads_items(const uint16_t* w, int64_t K, int64_t N, uint16_t* packed,
   }
 }
 
-// y[t, h, blk*64 ...] for work items (h, blk) in [i0, i1); x rows at x + t * sx0 + h * sx1.
+// y[t, h, blk*64 ...] for work items (h, blk) in [i0, i1); x rows at x + t * sx0 + h * sx1,
+// y rows at y + t * sy0 + h * sy1 (its last dim contiguous).
 void head_gemm_items(const uint16_t* x, int64_t sx0, int64_t sx1, int64_t T, int64_t H, int64_t K,
-                     const uint16_t* packed, int64_t N, uint16_t* y, int64_t i0, int64_t i1) {
+                     const uint16_t* packed, int64_t N, uint16_t* y, int64_t sy0, int64_t sy1,
+                     int64_t i0, int64_t i1) {
   const int64_t nb = mla_core::cdiv(N, kCols), kp = mla_core::cdiv(K, 2);
   std::vector<mla_core::AElem> abuf(static_cast<size_t>(mla_core::a_panel_elems(K)));
   std::vector<float> cbuf(static_cast<size_t>(mla_core::kMaxRows * kCols));
@@ -62,7 +65,7 @@ void head_gemm_items(const uint16_t* x, int64_t sx0, int64_t sx1, int64_t T, int
         packed_t0 = t0;
       }
       mla_core::gemm(a, panel, kCols, kCols, cbuf.data(), kCols, false);
-      mla_core::store_bf16(cbuf.data(), kCols, M, ncols, y + (t0 * H + h) * N + blk * kCols, H * N, 1);
+      mla_core::store_bf16(cbuf.data(), kCols, M, ncols, y + t0 * sy0 + h * sy1 + blk * kCols, sy0, 1);
     }
   }
 }
@@ -87,7 +90,8 @@ at::Tensor pack_heads(const at::Tensor& w) {
   return out;
 }
 
-at::Tensor head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+// checks x / packed (and y when given: [T, H, N] bf16, last dim contiguous); returns N's blocks
+void check_head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.dim() == 3 && packed.dim() == 5,
               "native_head_gemm: x must be [T, H, K] and packed [H, N / 64, K / 2, 64, 2]; got ",
               x.sizes(), " and ", packed.sizes());
@@ -97,22 +101,44 @@ at::Tensor head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "native_head_gemm: CPU tensors");
   TORCH_CHECK(x.stride(2) == 1 || x.size(2) <= 1, "native_head_gemm: x's last dim must be contiguous");
   TORCH_CHECK(packed.is_contiguous(), "native_head_gemm: packed must be contiguous");
-  const int64_t T = x.size(0), H = x.size(1), K = x.size(2);
+  const int64_t H = x.size(1), K = x.size(2);
   const int64_t nb = packed.size(1), kp = packed.size(2);
   TORCH_CHECK(packed.size(0) == H && kp == mla_core::cdiv(K, 2) && packed.size(3) == kCols &&
                   packed.size(4) == 2 && nb == mla_core::cdiv(N, kCols),
               "native_head_gemm: packed ", packed.sizes(), " does not match x ", x.sizes(),
               " and N = ", N);
-  auto y = at::empty({T, H, N}, x.options());
-  if (T == 0 || N == 0 || H == 0) return y;
+}
+
+void run_head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Tensor& y) {
+  const int64_t T = x.size(0), H = x.size(1), K = x.size(2), nb = packed.size(1);
+  if (T == 0 || N == 0 || H == 0) return;
   const uint16_t* xp = bits(x);
   const uint16_t* wp = bits(packed);
   uint16_t* yp = mbits(y);
-  const int64_t sx0 = x.stride(0), sx1 = x.stride(1);
+  const int64_t sx0 = x.stride(0), sx1 = x.stride(1), sy0 = y.stride(0), sy1 = y.stride(1);
   at::parallel_for(0, H * nb, 1, [&](int64_t b, int64_t e) {
-    head_gemm_items(xp, sx0, sx1, T, H, K, wp, N, yp, b, e);
+    head_gemm_items(xp, sx0, sx1, T, H, K, wp, N, yp, sy0, sy1, b, e);
   });
+}
+
+at::Tensor head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  check_head_gemm(x, packed, N);
+  auto y = at::empty({x.size(0), x.size(1), N}, x.options());
+  run_head_gemm(x, packed, N, y);
   return y;
+}
+
+// into y [T, H, N] bf16 with its last dim contiguous (any other strides: a view of an engine's
+// output buffer)
+void head_gemm_out(const at::Tensor& x, const at::Tensor& packed, at::Tensor y) {
+  TORCH_CHECK(y.dim() == 3 && y.size(0) == x.size(0) && y.size(1) == x.size(1),
+              "native_head_gemm_out: y must be [T, H, N] for x ", x.sizes(), ", got ", y.sizes());
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.device().is_cpu(),
+              "native_head_gemm_out: y must be a bfloat16 CPU tensor, got ", y.scalar_type());
+  TORCH_CHECK(y.stride(2) == 1 || y.size(2) <= 1, "native_head_gemm_out: y's last dim must be contiguous");
+  const int64_t N = y.size(2);
+  check_head_gemm(x, packed, N);
+  run_head_gemm(x, packed, N, y);
 }
 
 #endif  // MLA_CORE_ONLY
@@ -123,10 +149,12 @@ at::Tensor head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
 TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
   m.def("native_pack_heads(Tensor w) -> Tensor");
   m.def("native_head_gemm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("native_head_gemm_out(Tensor x, Tensor packed, Tensor(a!) y) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_pack_heads", &mla_native::pack_heads);
   m.impl("native_head_gemm", &mla_native::head_gemm);
+  m.impl("native_head_gemm_out", &mla_native::head_gemm_out);
 }
 #endif  // MLA_CORE_ONLY

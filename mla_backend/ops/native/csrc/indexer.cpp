@@ -270,6 +270,15 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
         kscale[m] = 1.0f;
       }
     }
+    // the next panel's keys (and their scales' line) into L2 while this one computes
+    const int64_t pn = p0 + kKeyRows, mn = std::min<int64_t>(kKeyRows, kend - pn);
+    for (int64_t m = 0; m < mn; ++m) {
+      const int64_t p = pn + m;
+      const uint8_t* page = P.cache + static_cast<int64_t>(P.bt[i * P.bt_s0 + p / ps]) * P.c_s0;
+      const int64_t off = p % ps;
+      prefetch_row(reinterpret_cast<const char*>(page + off * key_bytes(P)), key_bytes(P));
+      if (fp8 && (off == 0 || m == 0)) vec::prefetch_l2(page + ps * Di + off * nb * 4);
+    }
     float* C = S.c.data();
     if (nb == 1) {
       const mla_core::APanel a{S.a.data(), lda, M, kp};
