@@ -32,6 +32,36 @@ def quantize_fp8(x: torch.Tensor, per_token: bool = False) -> tuple[torch.Tensor
     return q, scale
 
 
+def quantize_fp8_groups(
+    x: torch.Tensor, group_size: int, eps: float = 1e-10, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each group of ``group_size`` consecutive values of the last dim to
+    float8_e4m3fn with its own float32 scale (per-token-group quantization, as DSA indexers
+    round their queries).
+
+    Per group: ``scale = max(amax, eps) * (1 / 448)``, with ``pow2_scale`` rounded up to a
+    power of two (``2^ceil(log2(scale))``, UE8M0 scales); ``stored = e4m3(x / scale)``
+    saturated to +-448.
+
+    Args:
+        x: [..., K] bf16 / fp16 / fp32, K a multiple of ``group_size``.
+        group_size: values per scale (>= 1).
+    Returns:
+        (x_fp8 [..., K] float8_e4m3fn, scale float32 [..., K / group_size]).
+    """
+    K = x.shape[-1]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be an int >= 1")
+    if K % group_size:
+        raise ValueError(f"last dim {K} is not a multiple of group_size {group_size}")
+    xf = x.float().reshape(*x.shape[:-1], K // group_size, group_size)
+    scale = xf.abs().amax(dim=-1).clamp(min=eps) * (1.0 / FP8_MAX)
+    if pow2_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(x.shape), scale
+
+
 def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] float8 times scale (broadcastable float32) -> dtype."""
     return (x.float() * scale).to(dtype)

@@ -63,6 +63,20 @@ class IndexerDims:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"indexer {name}={v!r} is not supported: it must be an int >= 1")
 
+    @classmethod
+    def from_config(cls, hf_config: object) -> IndexerDims | None:
+        """The indexer's dims of a model config (a HF ``DeepseekV32Config`` / GLM-5 config or
+        an engine's view of it: ``index_topk``, ``index_n_heads``, ``index_head_dim``); None for
+        a dense MLA model (no ``index_topk``). Values it cannot serve raise ``ValueError``."""
+        topk = getattr(hf_config, "index_topk", None)
+        if topk is None:
+            return None
+        return cls(
+            n_heads=getattr(hf_config, "index_n_heads", None),
+            head_dim=getattr(hf_config, "index_head_dim", None),
+            topk=topk,
+        )
+
 
 @dataclass(frozen=True)
 class IndexCacheLayout:

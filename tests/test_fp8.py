@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -61,3 +63,28 @@ def test_scaled_mm_branch_is_taken_and_matches_dequantized(monkeypatch) -> None:
     ref = torch.bmm(a_q.double() * a_scale.double(), w_fp8.double() * w_scale.double())
     assert got.dtype == torch.bfloat16 and got.shape == (3, 5, 16)
     torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_group_quantization_rounds_each_group_with_its_own_scale(pow2: bool) -> None:
+    """Per group of 64: scale = max(amax, eps) / 448 (a power of two rounded up with pow2),
+    stored = e4m3(x / scale); checked against that definition group by group, over groups
+    whose magnitudes span 1e-12 .. 1e3 (an all-zero group takes the eps scale)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8, 64, generator=g) * torch.logspace(-12, 3, 8)[None, :, None]
+    x[0, 0] = 0.0
+    q, s = mb.fp8.quantize_fp8_groups(x.reshape(3, 512).bfloat16(), 64, 1e-10, pow2)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (3, 512) and s.shape == (3, 8)
+    xb = x.bfloat16().float()
+    for i in range(3):
+        for j in range(8):
+            grp = xb[i, j]
+            scale = max(grp.abs().max().item(), 1e-10) / 448.0
+            if pow2:
+                scale = 2.0 ** math.ceil(math.log2(scale))
+            assert s[i, j].item() == pytest.approx(scale, rel=1e-6)
+            want = (grp / s[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            got = q[i, j * 64 : (j + 1) * 64]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="group_size 48"):
+        mb.fp8.quantize_fp8_groups(x.reshape(3, 512), 48)

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_backend.testing.tiny_model import PRESETS, main, make_tiny_deepseek_v2, synthetic_words
+from mla_backend.testing.tiny_model import (
+    DSA_ARCHS,
+    DSA_PRESETS,
+    PRESETS,
+    main,
+    make_tiny_deepseek_v2,
+    make_tiny_dsa,
+    synthetic_words,
+)
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -134,3 +142,45 @@ def test_transformers_loads_and_generates_varied_tokens(tmp_path: Path) -> None:
     gen = model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
     new = gen[0, ids.shape[1] :].tolist()
     assert len(set(new)) >= 4, new  # not degenerate
+
+
+@pytest.mark.parametrize("preset", sorted(DSA_PRESETS))
+def test_dsa_presets_add_the_indexer_to_the_v2_checkpoint(tmp_path: Path, preset: str) -> None:
+    kw = dict(DSA_PRESETS[preset])
+    arch = kw.pop("arch")
+    out = make_tiny_dsa(tmp_path / preset, arch=arch, index_topk=16, dtype="float32", seed=5,
+                        **kw)  # fmt: skip
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [DSA_ARCHS[arch][0]] and cfg["model_type"] == arch
+    assert (cfg["index_topk"], cfg["index_n_heads"]) == (16, kw["index_n_heads"])
+    assert cfg.get("indexer_rope_interleave", False) == DSA_ARCHS[arch][2]
+    w = safetensors_torch.load_file(str(out / "model.safetensors"))
+    pattern = cfg.get("index_topk_pattern", "F" * cfg["num_hidden_layers"])
+    Hi, Di, h, ql = kw["index_n_heads"], kw["index_head_dim"], cfg["hidden_size"], kw["q_lora_rank"]
+    want = _expected_shapes(cfg)  # the DeepSeek-V2 part, from the paper's formulas
+    for i, kind in enumerate(pattern):
+        if kind == "F":  # an "S" layer reuses the previous top-k and has no indexer
+            x = f"model.layers.{i}.self_attn.indexer."
+            want |= {x + "wq_b.weight": (Hi * Di, ql), x + "wk.weight": (Di, h),
+                     x + "k_norm.weight": (Di,), x + "k_norm.bias": (Di,),
+                     x + "weights_proj.weight": (Hi, h)}  # fmt: skip
+    assert {k: tuple(t.shape) for k, t in w.items()} == want
+    # the DeepSeek-V2 weights are make_tiny_deepseek_v2's with the same seed
+    v2 = make_tiny_deepseek_v2(tmp_path / "v2", dtype="float32", seed=5, **{
+        k: v for k, v in kw.items() if k not in ("index_n_heads", "index_head_dim",
+                                                 "index_topk_pattern")})  # fmt: skip
+    for k, t in safetensors_torch.load_file(str(v2 / "model.safetensors")).items():
+        assert torch.equal(w[k], t), k
+
+
+def test_dsa_rejects_bad_arguments(tmp_path: Path) -> None:
+    kw = dict(DSA_PRESETS["v32"])
+    kw.pop("arch")
+    with pytest.raises(ValueError, match="arch='x'"):
+        make_tiny_dsa(tmp_path, arch="x", **kw)
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        make_tiny_dsa(tmp_path, **{**kw, "q_lora_rank": None})
+    with pytest.raises(ValueError, match="index_topk=0"):
+        make_tiny_dsa(tmp_path, index_topk=0, **kw)
+    with pytest.raises(ValueError, match="index_topk_pattern='SF'"):
+        make_tiny_dsa(tmp_path, **{**kw, "index_topk_pattern": "SF"})

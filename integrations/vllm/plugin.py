@@ -31,6 +31,14 @@ from mla_backend.config import current
 logger = logging.getLogger("vllm.mla_absorb")
 
 BACKEND_PATH = "mla_backend_integrations.vllm.backend.MLAAbsorbBackend"
+#: the backend class of sparse MLA layers (DeepSeek-V3.2 / GLM-5), same enum member
+SPARSE_BACKEND_PATH = "mla_backend_integrations.vllm.sparse.MLAAbsorbSparseBackend"
+#: vLLM's DSA indexer quantizes its keys (and query) in blocks of this many values
+#: (``deepseek_v2.Indexer.quant_block_size``, fixed there) with power-of-two scales
+VLLM_INDEX_QUANT_BLOCK = 128
+VLLM_INDEX_SCALE_FMT = "ue8m0"
+#: ``--attention-config indexer_kv_dtype`` values served (vLLM's DSA indexer cache is fp8)
+SUPPORTED_INDEXER_KV_DTYPES = ("auto", "fp8")
 ALLOW_UNTESTED_ENV = "MLA_BACKEND_ALLOW_UNTESTED_VLLM"
 
 
@@ -97,8 +105,11 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        compat.patch_cpu_platform(is_selected, prepare_cpu_config)
+        compat.patch_cpu_platform(is_selected, prepare_cpu_config, SPARSE_BACKEND_PATH)
         compat.patch_cpu_dcp_slot_mapping()
+        from mla_backend_integrations.vllm.sparse import make_indexer_op
+
+        compat.register_indexer_op(make_indexer_op)
 
 
 def is_selected(vllm_config: Any) -> bool:
@@ -130,10 +141,7 @@ def validate_engine_config(vllm_config: Any) -> None:
         if getattr(hf, attr, False):
             raise ValueError(f"attention backend {BACKEND_NAME} does not support {attr}=True")
     if getattr(hf, "index_topk", None) is not None:
-        raise ValueError(
-            f"attention backend {BACKEND_NAME} does not support sparse MLA "
-            f"(index_topk={hf.index_topk})"
-        )
+        validate_dsa_config(vllm_config)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     # every cache layout of the core, as the backend's SUPPORTED_KV_CACHE_DTYPES (the backend
     # imports this module: importing it here would be a cycle)
@@ -171,6 +179,42 @@ def check_context_parallel(vllm_config: Any) -> None:
     block_size = vllm_config.cache_config.block_size
     if block_size is not None:
         check_shard_layout(dcp_size, parallel.cp_kv_cache_interleave_size, int(block_size))
+
+
+def validate_dsa_config(vllm_config: Any) -> None:
+    """Start-up checks of a DSA model (``index_topk``: DeepSeek-V3.2, GLM-5) under MLA_ABSORB:
+    the indexer dims (``index_topk``, ``index_n_heads``, ``index_head_dim`` ints >= 1), an index
+    head dim vLLM's fp8 key cache and the core's layout hold (a multiple of 128, >= the RoPE
+    dims), the indexer's query latent (``q_lora_rank``) and an fp8 indexer cache;
+    ``ValueError`` names the value and what is supported."""
+    from mla_backend.index_cache import IndexCacheLayout, IndexerDims
+
+    hf = vllm_config.model_config.hf_text_config
+    try:
+        dims = IndexerDims.from_config(hf)
+        assert dims is not None
+        IndexCacheLayout.named(
+            "fp8", dims.head_dim, VLLM_INDEX_QUANT_BLOCK, scale_fmt=VLLM_INDEX_SCALE_FMT
+        )
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"attention backend {BACKEND_NAME}, DSA model: {e}") from e
+    rope = int(hf.qk_rope_head_dim)
+    if dims.head_dim < rope:
+        raise ValueError(
+            f"attention backend {BACKEND_NAME}, DSA model: index_head_dim={dims.head_dim} is "
+            f"smaller than qk_rope_head_dim={rope} (the indexer rotates its first {rope} dims)"
+        )
+    if getattr(hf, "q_lora_rank", None) is None:
+        raise ValueError(
+            f"attention backend {BACKEND_NAME}, DSA model: q_lora_rank=None is not supported "
+            "(the lightning indexer's query reads the query latent)"
+        )
+    kv = getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto")
+    if kv not in SUPPORTED_INDEXER_KV_DTYPES:
+        raise ValueError(
+            f"attention backend {BACKEND_NAME} does not support indexer_kv_dtype={kv!r}; "
+            f"supported: {', '.join(SUPPORTED_INDEXER_KV_DTYPES)}"
+        )
 
 
 def prepare_cpu_config(vllm_config: Any) -> None:

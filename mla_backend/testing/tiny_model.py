@@ -25,7 +25,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "YARN_ROPE_SCALING", "make_tiny_deepseek_v2", "synthetic_words", "main"]
+__all__ = [
+    "DSA_ARCHS",
+    "DSA_PRESETS",
+    "PRESETS",
+    "YARN_ROPE_SCALING",
+    "main",
+    "make_tiny_deepseek_v2",
+    "make_tiny_dsa",
+    "synthetic_words",
+]
 
 #: Named argument sets for :func:`make_tiny_deepseek_v2`.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -355,7 +364,6 @@ def make_tiny_deepseek_v2(
     files byte-identical to those written before these options existed.
     """
     import torch
-    from safetensors.torch import save_file
 
     if vocab_size < 10000:
         raise ValueError(f"vocab_size={vocab_size} must be >= 10000 (vllm bench latency ids)")
@@ -421,9 +429,17 @@ def make_tiny_deepseek_v2(
                 raw[a + "kv_b_proj.weight"] = raw[a + "kv_b_proj.weight"] / gains
     elif kv_a_norm_order != "random" or kv_a_norm_compensate:
         raise ValueError("kv_a_norm_order / kv_a_norm_compensate need kv_a_norm_span")
-    weights = {k: t.to(torch_dtype).contiguous() for k, t in raw.items()}
+    return _write_model(Path(path), cfg, raw, torch_dtype)
 
-    out = Path(path)
+
+def _write_model(out: Path, cfg: dict[str, Any], raw: dict[str, Any], torch_dtype: Any) -> Path:
+    """Write ``config.json``, ``model.safetensors`` (``raw`` cast to ``torch_dtype``), the
+    tokenizer and ``generation_config.json`` into ``out``; return it."""
+    from safetensors.torch import save_file
+
+    vocab_size = cfg["vocab_size"]
+    max_position_embeddings = cfg["max_position_embeddings"]
+    weights = {k: t.to(torch_dtype).contiguous() for k, t in raw.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -441,6 +457,133 @@ def make_tiny_deepseek_v2(
     gen_cfg = {"bos_token_id": _BOS_ID, "eos_token_id": _EOS_ID, "pad_token_id": _PAD_ID}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     return out
+
+
+#: DSA architectures :func:`make_tiny_dsa` writes: name -> (architecture, model_type, indexer
+#: RoPE interleaved). GLM-5's checkpoints set ``indexer_rope_interleave`` (transformers'
+#: ``GlmMoeDsaIndexer`` rotates interleaved pairs; DeepSeek-V3.2's indexer rotates halves).
+DSA_ARCHS: dict[str, tuple[str, str, bool]] = {
+    "deepseek_v32": ("DeepseekV32ForCausalLM", "deepseek_v32", False),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "glm_moe_dsa", True),
+}
+
+#: Named argument sets for :func:`make_tiny_dsa` (attention shapes of the released models,
+#: scaled down in heads and hidden size; dense MLPs).
+DSA_PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeek-V3.2 attention dims: latent 512 + rope 64, nope 128, v 128, q_lora on;
+    # indexer head dim 128 (the released one), fewer indexer heads.
+    "v32": dict(
+        arch="deepseek_v32",
+        num_heads=8,
+        hidden_size=256,
+        num_layers=2,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=96,
+        index_n_heads=8,
+        index_head_dim=128,
+    ),
+    # GLM-5 attention dims: nope 192, v 256 (!= nope), latent 512 + 64, interleaved indexer
+    # RoPE; the third layer reuses the second's top-k ("S" in index_topk_pattern).
+    "glm5": dict(
+        arch="glm_moe_dsa",
+        num_heads=4,
+        hidden_size=256,
+        num_layers=3,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+        q_lora_rank=128,
+        index_n_heads=4,
+        index_head_dim=128,
+        index_topk_pattern="FFS",
+    ),
+}
+
+
+def make_tiny_dsa(
+    path: str | Path,
+    *,
+    arch: str = "deepseek_v32",
+    index_topk: int = 2048,
+    index_n_heads: int = 8,
+    index_head_dim: int = 128,
+    index_topk_pattern: str | None = None,
+    seed: int = 0,
+    init_std: float = 0.08,
+    dtype: str = "bfloat16",
+    **v2_kwargs: Any,
+) -> Path:
+    """Write a tiny random DeepSeek Sparse Attention model folder (DeepSeek-V3.2 or GLM-5
+    architecture) at ``path`` and return it.
+
+    The DeepSeek-V2 part (MLA, MLP, embeddings, tokenizer) is :func:`make_tiny_deepseek_v2`'s
+    with the same ``seed`` and ``v2_kwargs`` (``q_lora_rank`` is required: DSA's indexer reads
+    the query latent); on top, per layer that runs an indexer, the lightning indexer's weights
+    under DeepSeek's names (``self_attn.indexer.wq_b`` [Hi * Di, q_lora_rank], ``wk`` [Di,
+    hidden], ``k_norm`` (LayerNorm weight and bias, [Di]), ``weights_proj`` [Hi, hidden]) drawn
+    from a second generator seeded ``seed + 104729``, and the config fields ``index_topk``,
+    ``index_n_heads`` (Hi), ``index_head_dim`` (Di), ``rope_parameters`` and, for
+    ``arch="glm_moe_dsa"``, ``indexer_rope_interleave: true``. ``index_topk_pattern``
+    (e.g. ``"FFS"``): per layer "F" runs its indexer, "S" reuses the previous layer's top-k
+    (GLM-5's IndexCache sharing; written as vLLM's ``index_topk_pattern`` and transformers'
+    ``indexer_types``). No engine, no transformers is imported.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    if arch not in DSA_ARCHS:
+        raise ValueError(f"arch={arch!r} is not supported; supported: {sorted(DSA_ARCHS)}")
+    if v2_kwargs.get("q_lora_rank") is None:
+        raise ValueError("a DSA model needs q_lora_rank (the indexer's query reads q_lora)")
+    rope = v2_kwargs.get("qk_rope_head_dim", 64)
+    if index_topk < 1 or index_n_heads < 1 or index_head_dim < rope:
+        raise ValueError(
+            f"index_topk={index_topk}, index_n_heads={index_n_heads} must be >= 1 and "
+            f"index_head_dim={index_head_dim} >= qk_rope_head_dim={rope}"
+        )
+    out = make_tiny_deepseek_v2(path, seed=seed, init_std=init_std, dtype=dtype, **v2_kwargs)
+    cfg = json.loads((out / "config.json").read_text())
+    raw = {k: t.float() for k, t in load_file(str(out / "model.safetensors")).items()}
+    layers = cfg["num_hidden_layers"]
+    pattern = index_topk_pattern or "F" * layers
+    if len(pattern) != layers or set(pattern) - {"F", "S"} or pattern[0] != "F":
+        raise ValueError(
+            f"index_topk_pattern={index_topk_pattern!r} must be {layers} letters F/S starting "
+            "with F"
+        )
+    architecture, model_type, interleaved = DSA_ARCHS[arch]
+    cfg.update(
+        architectures=[architecture],
+        model_type=model_type,
+        index_topk=index_topk,
+        index_n_heads=index_n_heads,
+        index_head_dim=index_head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]},
+    )
+    if cfg.get("rope_scaling"):
+        raise ValueError("make_tiny_dsa writes default RoPE only (rope_scaling must be None)")
+    if interleaved:
+        cfg["indexer_rope_interleave"] = True
+    if index_topk_pattern is not None:
+        cfg["index_topk_pattern"] = pattern
+        cfg["indexer_types"] = ["full" if c == "F" else "shared" for c in pattern]
+    gen = torch.Generator().manual_seed(seed + 104729)
+    hid, ql = cfg["hidden_size"], cfg["q_lora_rank"]
+    for i, kind in enumerate(pattern):
+        if kind != "F":
+            continue
+        x = f"model.layers.{i}.self_attn.indexer."
+        raw[x + "wq_b.weight"] = torch.randn(index_n_heads * index_head_dim, ql, generator=gen)
+        raw[x + "wq_b.weight"] *= init_std
+        raw[x + "wk.weight"] = torch.randn(index_head_dim, hid, generator=gen) * init_std
+        raw[x + "k_norm.weight"] = 1.0 + 0.1 * torch.randn(index_head_dim, generator=gen)
+        raw[x + "k_norm.bias"] = 0.1 * torch.randn(index_head_dim, generator=gen)
+        raw[x + "weights_proj.weight"] = torch.randn(index_n_heads, hid, generator=gen) * init_std
+    return _write_model(out, cfg, raw, getattr(torch, dtype))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

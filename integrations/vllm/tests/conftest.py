@@ -142,3 +142,26 @@ def shutdown(llm: Any) -> None:
         pass
     del llm
     gc.collect()
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 10240) -> list[list[int]]:
+    """Prompts of random token ids (>= 4: no special token) of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def generate_greedy(llm: Any, prompts: list[list[int]], max_new: int) -> list[Any]:
+    """``max_new`` greedy tokens per prompt (EOS ignored), with each token's logprob."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        max_tokens=max_new, temperature=0.0, ignore_eos=True, logprobs=1, detokenize=False
+    )
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
+
+
+def token_logprobs(out: Any) -> list[float]:
+    """The logprob vLLM reported for each generated token of one request output."""
+    comp = out.outputs[0]
+    return [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]

@@ -19,30 +19,17 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HFOracle, make_llm, shutdown
+from conftest import (
+    HFOracle,
+    generate_greedy,
+    make_llm,
+    random_prompts,
+    shutdown,
+    token_logprobs,
+)
 
 FP32_LOGPROB_ATOL = 2e-3
 FP8_LOGPROB_ATOL = 2e-2
-
-
-def _prompts(seed: int, lengths: list[int], vocab: int = 10240) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _generate(llm: Any, prompts: list[list[int]], max_new: int) -> list[Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(
-        max_tokens=max_new, temperature=0.0, ignore_eos=True, logprobs=1, detokenize=False
-    )
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
-
-
-def _token_logprobs(out: Any) -> list[float]:
-    comp = out.outputs[0]
-    return [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
 
 
 def _check_exact(oracle: HFOracle, prompts: list[list[int]], outs: list[Any], max_new: int):
@@ -52,7 +39,7 @@ def _check_exact(oracle: HFOracle, prompts: list[list[int]], outs: list[Any], ma
         assert got == want, f"prompt len {len(prompt)}: vLLM {got} != transformers {want}"
         ref = oracle.logprobs_along(prompt, got)
         ref_lp = ref[torch.arange(len(got)), torch.tensor(got)]
-        diff = (torch.tensor(_token_logprobs(out)) - ref_lp).abs().max().item()
+        diff = (torch.tensor(token_logprobs(out)) - ref_lp).abs().max().item()
         assert diff <= FP32_LOGPROB_ATOL, f"logprob diff {diff} (prompt len {len(prompt)})"
 
 
@@ -84,18 +71,18 @@ def test_lite_config_keeps_chunked_prefill_prefix_caching_and_native_rope(lite_l
 
 def test_lite_chunked_prefill_mixed_batch_matches_transformers(lite_llm, hf_oracles) -> None:
     # 600- and 300-token prompts are prefilled in 256-token chunks while the short ones decode
-    prompts = _prompts(1, [600, 7, 300, 45])
-    outs = _generate(lite_llm, prompts, 12)
+    prompts = random_prompts(1, [600, 7, 300, 45])
+    outs = generate_greedy(lite_llm, prompts, 12)
     _check_exact(hf_oracles["lite"], prompts, outs, 12)
 
 
 def test_lite_prefix_cache_hits_match_transformers(lite_llm, hf_oracles) -> None:
-    base = _prompts(2, [520])[0]
-    first = _generate(lite_llm, [base], 4)
+    base = random_prompts(2, [520])[0]
+    first = generate_greedy(lite_llm, [base], 4)
     _check_exact(hf_oracles["lite"], [base], first, 4)
-    tails = _prompts(3, [30, 1, 90])
+    tails = random_prompts(3, [30, 1, 90])
     prompts = [base[:512] + t for t in tails]
-    outs = _generate(lite_llm, prompts, 10)
+    outs = generate_greedy(lite_llm, prompts, 10)
     assert all((o.num_cached_tokens or 0) >= 256 for o in outs), [o.num_cached_tokens for o in outs]
     _check_exact(hf_oracles["lite"], prompts, outs, 10)
 
@@ -116,12 +103,12 @@ def odd_llm(model_dirs: dict[str, Path]):
 
 
 def test_odd_dims_compiled_matches_transformers(odd_llm, hf_oracles) -> None:
-    prompts = _prompts(4, [150, 3, 64, 200])
-    outs = _generate(odd_llm, prompts, 16)
+    prompts = random_prompts(4, [150, 3, 64, 200])
+    outs = generate_greedy(odd_llm, prompts, 16)
     _check_exact(hf_oracles["odd"], prompts, outs, 16)
     # again, sharing the first 128 tokens of the first prompt (prefix hit on tiny blocks)
-    again = [prompts[0][:128] + t for t in _prompts(5, [5, 40])]
-    outs = _generate(odd_llm, again, 8)
+    again = [prompts[0][:128] + t for t in random_prompts(5, [5, 40])]
+    outs = generate_greedy(odd_llm, again, 8)
     assert all((o.num_cached_tokens or 0) >= 64 for o in outs)
     _check_exact(hf_oracles["odd"], again, outs, 8)
 
@@ -132,8 +119,8 @@ def test_odd_dims_compiled_matches_transformers(odd_llm, hf_oracles) -> None:
 def test_moe_matches_transformers(model_dirs, hf_oracles) -> None:
     llm = make_llm(model_dirs["moe"], enable_prefix_caching=True, max_num_batched_tokens=128)
     try:
-        prompts = _prompts(6, [250, 12, 90])
-        outs = _generate(llm, prompts, 12)
+        prompts = random_prompts(6, [250, 12, 90])
+        outs = generate_greedy(llm, prompts, 12)
     finally:
         shutdown(llm)
     _check_exact(hf_oracles["moe"], prompts, outs, 12)
@@ -152,8 +139,8 @@ def test_fp8_cache_matches_transformers_with_fp8_latents(model_dirs) -> None:
     )
     try:
         assert str(llm.llm_engine.vllm_config.cache_config.cache_dtype) == "fp8"
-        prompts = _prompts(7, [400, 20, 130])
-        outs = _generate(llm, prompts, 12)
+        prompts = random_prompts(7, [400, 20, 130])
+        outs = generate_greedy(llm, prompts, 12)
     finally:
         shutdown(llm)
     oracle = HFOracle(model_dirs["lite"], fp8_latents=True)
@@ -163,7 +150,7 @@ def test_fp8_cache_matches_transformers_with_fp8_latents(model_dirs) -> None:
         assert got == want, f"prompt len {len(prompt)}: vLLM {got} != fp8 oracle {want}"
         ref = oracle.logprobs_along(prompt, got)
         ref_lp = ref[torch.arange(len(got)), torch.tensor(got)]
-        diff = (torch.tensor(_token_logprobs(out)) - ref_lp).abs().max().item()
+        diff = (torch.tensor(token_logprobs(out)) - ref_lp).abs().max().item()
         assert diff <= FP8_LOGPROB_ATOL, f"logprob diff {diff}"
 
 
@@ -184,9 +171,9 @@ def test_ngram_speculative_decoding_matches_transformers(model_dirs, hf_oracles)
     try:
         assert llm.llm_engine.vllm_config.speculative_config is not None
         # repetitive prompts, so the n-gram proposer finds drafts
-        base = _prompts(8, [12, 20])
+        base = random_prompts(8, [12, 20])
         prompts = [b * 6 for b in base]
-        outs = _generate(llm, prompts, 16)
+        outs = generate_greedy(llm, prompts, 16)
     finally:
         shutdown(llm)
     _check_exact(hf_oracles["odd"], prompts, outs, 16)
@@ -203,8 +190,8 @@ def test_in_tree_cpu_mla_eager_is_wrong_without_native_rope(model_dirs, hf_oracl
         cfg = llm.llm_engine.vllm_config
         assert cfg.attention_config.backend.name == "CPU_MLA"
         assert "-rotary_embedding" not in cfg.compilation_config.custom_ops
-        prompts = _prompts(9, [30, 60])
-        outs = _generate(llm, prompts, 8)
+        prompts = random_prompts(9, [30, 60])
+        outs = generate_greedy(llm, prompts, 8)
     finally:
         shutdown(llm)
     oracle = hf_oracles["lite"]

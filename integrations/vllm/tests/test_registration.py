@@ -76,8 +76,12 @@ def test_cpu_platform_selects_mla_absorb_and_keeps_default_otherwise() -> None:
     assert CpuPlatform.get_attn_backend_cls(member, _selector(128)) == BACKEND_PATH
     default = CpuPlatform.get_attn_backend_cls(None, _selector(576))
     assert default.endswith(("AMXMLABackend", "CPUMLABackend"))
-    with pytest.raises(ValueError, match="sparse"):
-        CpuPlatform.get_attn_backend_cls(member, _selector(576, use_sparse=True))
+    # a sparse MLA layer (DeepSeek-V3.2 / GLM-5): our sparse backend, where vLLM's CPU platform
+    # raises "Sparse Attention is not supported on CPU."
+    sparse = CpuPlatform.get_attn_backend_cls(member, _selector(576, use_sparse=True))
+    assert sparse == plugin.SPARSE_BACKEND_PATH
+    with pytest.raises(NotImplementedError, match="Sparse Attention"):
+        CpuPlatform.get_attn_backend_cls(None, _selector(576, use_sparse=True))
 
 
 def test_python_api_engine_config(tmp_path: Path, model_dirs) -> None:
@@ -128,6 +132,11 @@ def test_untested_vllm_version_fails_naming_it(monkeypatch: pytest.MonkeyPatch) 
     plugin.check_vllm_version("0.40.0")  # warning only
 
 
+#: a DSA model's config fields (DeepSeek-V3.2's indexer dims), for the start-up checks
+DSA_HF = dict(index_topk=2048, index_n_heads=64, index_head_dim=128, qk_rope_head_dim=64,
+              q_lora_rank=1536)  # fmt: skip
+
+
 def _fake_config(**model_kw) -> SimpleNamespace:
     hf = SimpleNamespace(**model_kw.pop("hf", {}))
     model = SimpleNamespace(
@@ -149,6 +158,7 @@ def _fake_config(**model_kw) -> SimpleNamespace:
             cp_kv_cache_interleave_size=model_kw.get("interleave", 1),
             dcp_q_replicate=model_kw.get("q_replicate"),
         ),
+        attention_config=SimpleNamespace(indexer_kv_dtype=model_kw.get("indexer_kv", "auto")),
     )
 
 
@@ -158,7 +168,12 @@ def _fake_config(**model_kw) -> SimpleNamespace:
         (dict(window=4096), "sliding_window=4096"),
         (dict(hf={"use_alibi": True}), "use_alibi"),
         (dict(use_mla=False), "does not use MLA"),
-        (dict(hf={"index_topk": 2048}), "index_topk=2048"),
+        (dict(hf={**DSA_HF, "index_topk": 0}), "topk=0"),
+        (dict(hf={**DSA_HF, "index_head_dim": 64}), "index_head_dim 64"),
+        (dict(hf={**DSA_HF, "index_head_dim": 96}), "index_head_dim 96"),
+        (dict(hf={**DSA_HF, "index_n_heads": 0}), "n_heads=0"),
+        (dict(hf={**DSA_HF, "q_lora_rank": None}), "q_lora_rank=None"),
+        (dict(hf=DSA_HF, indexer_kv="mxfp4"), "indexer_kv_dtype='mxfp4'"),
         (dict(cache_dtype="int8"), "kv_cache_dtype='int8'"),
         (dict(pcp=2), "prefill_context_parallel_size=2"),
         (dict(dcp=2, q_replicate=True), "dcp_q_replicate=True"),
@@ -169,7 +184,9 @@ def _fake_config(**model_kw) -> SimpleNamespace:
 def test_unsupported_settings_are_named(kw: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named.replace("[", r"\[")):
         plugin.validate_engine_config(_fake_config(**kw))
-    plugin.validate_engine_config(_fake_config())  # the supported case passes
+    plugin.validate_engine_config(_fake_config())  # the supported cases pass
+    plugin.validate_engine_config(_fake_config(hf=DSA_HF))
+    plugin.validate_engine_config(_fake_config(hf={**DSA_HF, "index_head_dim": 256}))
 
 
 @pytest.mark.parametrize("kw", [dict(dcp=2), dict(dcp=4, interleave=16), dict(dcp=2, interleave=8)])
@@ -226,6 +243,8 @@ def test_workarounds_are_version_guarded(caplog: pytest.LogCaptureFixture) -> No
         compat.ENUM_PICKLE_BY_NAME,
         compat.NATIVE_ROPE_ON_CPU,
         compat.CLI_VERSION_SHIM,
+        compat.SPARSE_INDEXER_OOT,
+        compat.CPU_GROUP_QUANT_FP8,
     )
     for w in workarounds:
         assert w.upstream and w.applies("0.32.0") and w.applies("0.32.1+cpu")
