@@ -12,4 +12,11 @@ Importing this package does not import vLLM. The plugin entry points live in
 #: it is spelled.
 BACKEND_NAME = "MLA_ABSORB"
 
-__all__ = ["BACKEND_NAME"]
+__all__ = ["BACKEND_NAME", "is_selected"]
+
+
+def is_selected(vllm_config: object) -> bool:
+    """True when a vLLM engine config selects ``MLA_ABSORB`` as its attention backend."""
+    attn_cfg = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attn_cfg, "backend", None)
+    return backend is not None and getattr(backend, "name", str(backend)) == BACKEND_NAME

@@ -35,7 +35,8 @@ from typing import Any, ClassVar
 import torch
 from mla_backend_integrations._common import engine_cache_view, pad_rows
 from mla_backend_integrations.vllm import BACKEND_NAME, dcp
-from mla_backend_integrations.vllm.plugin import check_context_parallel, check_vllm_version
+from mla_backend_integrations.vllm.compat import check_vllm_version
+from mla_backend_integrations.vllm.dcp import check_context_parallel
 from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 from vllm.v1.attention.backend import (
     AttentionBackend,

@@ -36,6 +36,8 @@ from typing import Any
 from mla_backend_integrations._common import Workaround, parse_version
 from mla_backend_integrations.vllm import BACKEND_NAME
 
+from mla_backend.config import current
+
 # a child of the "vllm" logger, so vLLM's logging configuration shows our messages
 _LOGGER = "vllm.mla_absorb"
 logger = logging.getLogger(_LOGGER)
@@ -51,6 +53,30 @@ def vllm_version() -> str:
     from vllm.version import __version__
 
     return str(__version__)
+
+
+ALLOW_UNTESTED_ENV = "MLA_BACKEND_ALLOW_UNTESTED_VLLM"
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise ``RuntimeError`` naming the version if it is outside :data:`TESTED_VLLM_RANGE`.
+
+    Set ``MLA_BACKEND_ALLOW_UNTESTED_VLLM=1`` to downgrade the error to a warning.
+    """
+    version = vllm_version() if version is None else version
+    major_minor = parse_version(version)
+    lo, hi = TESTED_VLLM_RANGE
+    if lo <= major_minor < hi:
+        return
+    msg = (
+        f"vLLM version {version} is outside the range tested with the {BACKEND_NAME} "
+        f"attention backend (>= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}); set "
+        f"{ALLOW_UNTESTED_ENV}=1 to try it anyway"
+    )
+    if current().flag("allow_untested_vllm"):
+        logging.getLogger(_LOGGER).warning(msg)
+        return
+    raise RuntimeError(msg)
 
 
 @functools.lru_cache(maxsize=1)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from mla_backend_integrations.vllm import BACKEND_NAME
 
 import mla_backend as mb
 
@@ -107,6 +108,30 @@ class ShardLayout:
         owner, local = self.locate(positions)
         slots = self.local_slots(block_table, rows, local)
         return torch.where(owner == self.rank, slots, torch.full_like(slots, pad))
+
+
+def check_context_parallel(vllm_config: Any) -> None:
+    """Decode context parallel is served (any size vLLM accepts, interleave sizes dividing the
+    block size); prefill context parallel and DCP's replicated query projection are not."""
+    parallel = vllm_config.parallel_config
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        raise ValueError(
+            f"attention backend {BACKEND_NAME} does not support prefill_context_parallel_size="
+            f"{pcp}; supported: 1 (decode_context_parallel_size > 1 is supported)"
+        )
+    dcp_size = getattr(parallel, "decode_context_parallel_size", 1)
+    if dcp_size <= 1:
+        return
+    if getattr(parallel, "dcp_q_replicate", None):
+        raise ValueError(
+            f"attention backend {BACKEND_NAME} does not support dcp_q_replicate=True with "
+            f"decode_context_parallel_size={dcp_size}: it gathers the absorbed query itself; "
+            "leave dcp_q_replicate unset or False"
+        )
+    block_size = vllm_config.cache_config.block_size
+    if block_size is not None:
+        check_shard_layout(dcp_size, parallel.cp_kv_cache_interleave_size, int(block_size))
 
 
 def check_shard_layout(world_size: int, interleave: int, page_size: int) -> None:

@@ -22,10 +22,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mla_backend_integrations.vllm import BACKEND_NAME, compat
-from mla_backend_integrations.vllm.compat import TESTED_VLLM_RANGE, vllm_version
-
-from mla_backend.config import current
+from mla_backend_integrations.vllm import BACKEND_NAME, compat, is_selected
+from mla_backend_integrations.vllm.compat import (  # noqa: F401 (re-exported)
+    ALLOW_UNTESTED_ENV,
+    check_vllm_version,
+)
+from mla_backend_integrations.vllm.dcp import check_context_parallel
 
 # a child of the "vllm" logger, so vLLM's logging configuration shows our messages
 logger = logging.getLogger("vllm.mla_absorb")
@@ -39,30 +41,6 @@ VLLM_INDEX_QUANT_BLOCK = 128
 VLLM_INDEX_SCALE_FMT = "ue8m0"
 #: ``--attention-config indexer_kv_dtype`` values served (vLLM's DSA indexer cache is fp8)
 SUPPORTED_INDEXER_KV_DTYPES = ("auto", "fp8")
-ALLOW_UNTESTED_ENV = "MLA_BACKEND_ALLOW_UNTESTED_VLLM"
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """Raise ``RuntimeError`` naming the version if it is outside :data:`TESTED_VLLM_RANGE`.
-
-    Set ``MLA_BACKEND_ALLOW_UNTESTED_VLLM=1`` to downgrade the error to a warning.
-    """
-    version = vllm_version() if version is None else version
-    major_minor = compat.parse_version(version)
-    lo, hi = TESTED_VLLM_RANGE
-    if lo <= major_minor < hi:
-        return
-    msg = (
-        f"vLLM version {version} is outside the range tested with the {BACKEND_NAME} "
-        f"attention backend (>= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}); set "
-        f"{ALLOW_UNTESTED_ENV}=1 to try it anyway"
-    )
-    if current().flag("allow_untested_vllm"):
-        logger.warning(msg)
-        return
-    raise RuntimeError(msg)
-
-
 def backend_member(name: str = BACKEND_NAME) -> Any:
     """The ``AttentionBackendEnum`` member for ``name``, registering ``MLA_ABSORB`` first.
 
@@ -112,13 +90,6 @@ def register() -> None:
         compat.register_indexer_op(make_indexer_op)
 
 
-def is_selected(vllm_config: Any) -> bool:
-    """True when the engine config selects ``MLA_ABSORB`` as its attention backend."""
-    attn_cfg = getattr(vllm_config, "attention_config", None)
-    backend = getattr(attn_cfg, "backend", None)
-    return backend is not None and getattr(backend, "name", str(backend)) == BACKEND_NAME
-
-
 def validate_engine_config(vllm_config: Any) -> None:
     """Start-up checks when ``MLA_ABSORB`` is selected; ``ValueError`` names the setting."""
     check_vllm_version()
@@ -153,32 +124,6 @@ def validate_engine_config(vllm_config: Any) -> None:
             f"supported: {', '.join(ENGINE_NAMES)}"
         )
     check_context_parallel(vllm_config)
-
-
-def check_context_parallel(vllm_config: Any) -> None:
-    """Decode context parallel is served (any size vLLM accepts, interleave sizes dividing the
-    block size); prefill context parallel and DCP's replicated query projection are not."""
-    parallel = vllm_config.parallel_config
-    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
-    if pcp > 1:
-        raise ValueError(
-            f"attention backend {BACKEND_NAME} does not support prefill_context_parallel_size="
-            f"{pcp}; supported: 1 (decode_context_parallel_size > 1 is supported)"
-        )
-    dcp_size = getattr(parallel, "decode_context_parallel_size", 1)
-    if dcp_size <= 1:
-        return
-    if getattr(parallel, "dcp_q_replicate", None):
-        raise ValueError(
-            f"attention backend {BACKEND_NAME} does not support dcp_q_replicate=True with "
-            f"decode_context_parallel_size={dcp_size}: it gathers the absorbed query itself; "
-            "leave dcp_q_replicate unset or False"
-        )
-    from mla_backend_integrations.vllm.dcp import check_shard_layout
-
-    block_size = vllm_config.cache_config.block_size
-    if block_size is not None:
-        check_shard_layout(dcp_size, parallel.cp_kv_cache_interleave_size, int(block_size))
 
 
 def validate_dsa_config(vllm_config: Any) -> None:

@@ -211,14 +211,14 @@ def make_indexer_op(base: type) -> type:
     :class:`MLAAbsorbIndexCacheBackend`, the query rounding supplied on CPU, and
     :func:`indexer_forward` as its forward. An fp4 indexer cache or an index head dim the core's
     fp8 layout cannot hold raises here (model construction, at start-up) naming the value."""
-    from mla_backend_integrations.vllm import compat, plugin
+    from mla_backend_integrations.vllm import compat, is_selected
 
     class MLAAbsorbIndexer(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             from vllm.config import get_current_vllm_config
 
-            self.mla_absorb = plugin.is_selected(get_current_vllm_config())
+            self.mla_absorb = is_selected(get_current_vllm_config())
             if not self.mla_absorb:
                 return
             if self.use_fp4_cache:

@@ -21,8 +21,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HFOracle, make_llm, shutdown
-from test_e2e import _check_exact, _generate, _prompts, _token_logprobs
+from conftest import (
+    HFOracle,
+    generate_greedy,
+    make_llm,
+    random_prompts,
+    shutdown,
+    token_logprobs,
+)
+from test_e2e import _check_exact
 
 TP, DCP = 2, 2
 BLOCK = 16
@@ -75,16 +82,16 @@ def test_dcp_config(lite_dcp) -> None:
 def test_dcp_chunked_prefill_mixed_batch_matches_transformers(lite_dcp, hf_oracles) -> None:
     # 600 tokens = 38 pages of 16: both ranks hold 300 of them; the 7-token prompt lives on
     # rank 0 only until it grows; prefills in 128-token chunks next to decodes
-    prompts = _prompts(11, [600, 7, 300, 45])
-    outs = _generate(lite_dcp, prompts, 12)
+    prompts = random_prompts(11, [600, 7, 300, 45])
+    outs = generate_greedy(lite_dcp, prompts, 12)
     _check_exact(hf_oracles["lite"], prompts, outs, 12)
 
 
 def test_dcp_prefix_cache_hits_match_transformers(lite_dcp, hf_oracles) -> None:
-    base = _prompts(12, [520])[0]
-    _check_exact(hf_oracles["lite"], [base], _generate(lite_dcp, [base], 4), 4)
-    prompts = [base[:512] + t for t in _prompts(13, [30, 1, 90])]
-    outs = _generate(lite_dcp, prompts, 10)
+    base = random_prompts(12, [520])[0]
+    _check_exact(hf_oracles["lite"], [base], generate_greedy(lite_dcp, [base], 4), 4)
+    prompts = [base[:512] + t for t in random_prompts(13, [30, 1, 90])]
+    outs = generate_greedy(lite_dcp, prompts, 10)
     assert all((o.num_cached_tokens or 0) >= 256 for o in outs), [o.num_cached_tokens for o in outs]
     _check_exact(hf_oracles["lite"], prompts, outs, 10)
 
@@ -96,9 +103,9 @@ def _drafting_prompts(oracle: HFOracle) -> list[list[int]]:
     """Prompts that contain tokens the model itself tends to emit (its greedy outputs after
     other prompts), so a 1-gram lookup finds drafts while it generates."""
     emitted: list[int] = []
-    for p in _prompts(14, [30] * 8):
+    for p in random_prompts(14, [30] * 8):
         emitted += oracle.greedy(p, 24)
-    return [head + emitted for head in _prompts(15, [40, 40])]
+    return [head + emitted for head in random_prompts(15, [40, 40])]
 
 
 def _metric(llm: Any, name: str) -> float:
@@ -124,7 +131,7 @@ def test_dcp_speculative_decoding_interleave_block_matches_transformers(
     )
     try:
         assert llm.llm_engine.vllm_config.parallel_config.cp_kv_cache_interleave_size == BLOCK
-        outs = _generate(llm, prompts, 24)
+        outs = generate_greedy(llm, prompts, 24)
         drafts = _metric(llm, "vllm:spec_decode_num_draft_tokens")
     finally:
         shutdown(llm)
@@ -136,7 +143,7 @@ def test_dcp_speculative_decoding_interleave_block_matches_transformers(
 # fp8 latent cache: DCP vs our own TP-only run.
 # ---------------------------------------------------------------------------------------
 def test_dcp_fp8_cache_matches_tp_only_run(model_dirs) -> None:
-    prompts = _prompts(16, [400, 20, 130])
+    prompts = random_prompts(16, [400, 20, 130])
     results = {}
     for name, dcp in (("dcp", DCP), ("tp_only", 1)):
         llm = _dcp_llm(model_dirs["lite"], kv_cache_dtype="fp8", decode_context_parallel_size=dcp)
@@ -144,13 +151,13 @@ def test_dcp_fp8_cache_matches_tp_only_run(model_dirs) -> None:
             cfg = llm.llm_engine.vllm_config
             assert str(cfg.cache_config.cache_dtype) == "fp8"
             assert cfg.parallel_config.decode_context_parallel_size == dcp
-            results[name] = _generate(llm, prompts, 12)
+            results[name] = generate_greedy(llm, prompts, 12)
         finally:
             shutdown(llm)
     for prompt, a, b in zip(prompts, results["dcp"], results["tp_only"], strict=True):
         got, want = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
         assert got == want, f"prompt len {len(prompt)}: DCP {got} != TP-only {want}"
-        diff = (torch.tensor(_token_logprobs(a)) - torch.tensor(_token_logprobs(b))).abs().max()
+        diff = (torch.tensor(token_logprobs(a)) - torch.tensor(token_logprobs(b))).abs().max()
         assert diff.item() <= 1e-3, f"logprob diff {diff.item()} (prompt len {len(prompt)})"
 
 
@@ -166,8 +173,8 @@ def test_tp4_dcp_matches_transformers(model_dirs, hf_oracles, dcp: int) -> None:
         llm = _dcp_llm(model_dirs["lite"], tensor_parallel_size=4, decode_context_parallel_size=dcp,
                        cp_kv_cache_interleave_size=1 if dcp == 4 else BLOCK)  # fmt: skip
         try:
-            prompts = _prompts(17, [300, 7, 45])
-            outs = _generate(llm, prompts, 8)
+            prompts = random_prompts(17, [300, 7, 45])
+            outs = generate_greedy(llm, prompts, 8)
         finally:
             shutdown(llm)
     finally:
