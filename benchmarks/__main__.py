@@ -1,7 +1,8 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, sparse, vllm, vllm-dcp, vllm-dsa, serve, sglang, gpu, gpu-resources, gpu-sweep,
-gpu-run, gpu-sparse, fp8-accuracy); each writes ``benchmarks/results/<name>-latest.md`` and
-appends to ``<name>-history.md``. ``plot`` redraws the roofline PNGs from ``decode-latest.md``."""
+layer, policy, sparse, vllm, vllm-dcp, vllm-dsa, vllm-steps, serve, sglang, gpu, gpu-resources,
+gpu-sweep, gpu-run, gpu-sparse, fp8-accuracy); each writes
+``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
+the roofline PNGs from ``decode-latest.md``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ COMMANDS = {
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),
     "vllm-dcp": ("vllm_dcp", "vLLM decode context parallel: KV per rank, decode, TP vs TP x DCP"),
     "vllm-dsa": ("vllm_dsa", "vLLM end to end, DSA (tiny V3.2, 8K prompts): sparse vs dense"),
+    "vllm-steps": ("vllm_steps", "vLLM decode step profiled: where ours and a peer's time goes"),
     "serve": ("serve", "online serving through each engine's own bench client"),
     "sglang": ("sglang_batch", "SGLang one-batch: mla_absorb vs torch_native"),
     "plot": ("plot", "roofline PNG per ISA level from decode-latest.md (needs matplotlib)"),

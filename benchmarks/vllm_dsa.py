@@ -20,7 +20,12 @@ import statistics
 import time
 from typing import Any
 
-from mla_backend.testing.vllm_runner import EngineFailed, RunSpec, Workload, run_backend
+from mla_backend_integrations._testing.vllm_runner import (
+    EngineFailed,
+    RunSpec,
+    Workload,
+    run_backend,
+)
 
 from mla_backend.testing.tiny_model import DSA_PRESETS, make_tiny_dsa
 

@@ -10,10 +10,12 @@ import ast
 import pytest
 from import_graph import (
     ROOT,
+    _resolve,
     cycles,
     external_imports,
     imported_names,
     module_graph,
+    module_name,
     source_files,
 )
 
@@ -60,3 +62,39 @@ def test_no_import_cycle_in_the_repository() -> None:
 def test_core_imports_no_engine(path) -> None:
     engines = sorted(external_imports(path) & ENGINES)
     assert not engines, f"{path.relative_to(ROOT)} imports {engines}: engines live in integrations/"
+
+
+#: top-level names of this repository's own packages
+FIRST_PARTY = ("mla_backend", "mla_backend_integrations", "benchmarks")
+
+
+def missing_modules(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """The first-party modules ``from X import ...`` / ``import X`` in ``tree`` names that are
+    not in ``known`` (a module moved away and an importer left behind)."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names = [_resolve(node.module or "", node.level, package)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out += [n for n in names if n.split(".")[0] in FIRST_PARTY and n not in known]
+    return out
+
+
+def test_missing_module_finder_finds_one() -> None:
+    tree = ast.parse("from mla_backend.gone import x\nfrom . import here\nimport benchmarks.nope\n")
+    known = {"mla_backend", "mla_backend.here", "benchmarks"}
+    got = missing_modules(tree, "mla_backend.mod", False, known)
+    assert got == ["mla_backend.gone", "benchmarks.nope"]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_first_party_imports_name_existing_modules(path) -> None:
+    known = {module_name(p) for p in FILES}
+    name = module_name(path)
+    tree = ast.parse(path.read_text(), str(path))
+    gone = missing_modules(tree, name, path.name == "__init__.py", known)
+    assert not gone, f"{path.relative_to(ROOT)} imports modules that do not exist: {gone}"

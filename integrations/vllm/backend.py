@@ -52,7 +52,7 @@ from vllm.v1.attention.backend import (
 import mla_backend as mb
 from mla_backend.cache_layout import ENGINE_NAMES, CacheLayout
 from mla_backend.index_cache import IndexerDims
-from mla_backend.selection import log_once
+from mla_backend.selection import log_once, resolve
 
 logger = logging.getLogger("vllm.mla_absorb")
 
@@ -188,6 +188,8 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         self.indexer = IndexerDims.from_config(mc.hf_text_config)
         self.policy = mb.Policy.from_env()
         self.device = torch.device(device)
+        # the device's selection, resolved once: every step plans with its kernels
+        self.kernels = resolve(self.device).kernels
         self._modes_seen: set[str] = set()
         self.dcp_planner = dcp.planner_for(
             vllm_config, self.page_size, self.dims, self.policy, self.device, self.num_spec_tokens
@@ -225,7 +227,9 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
             self.page_size,
             batch_phase(new_lens, self.num_spec_tokens),
         )
-        plan = mb.plan(batch, self.dims, self.policy, device=self.device, indexer=self.indexer)
+        plan = mb.plan(
+            batch, self.dims, self.policy, self.device, self.kernels, indexer=self.indexer
+        )
         if plan.mode not in self._modes_seen:  # each path mode once at INFO, then DEBUG
             self._modes_seen.add(plan.mode)
             logger.info(
@@ -362,6 +366,8 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         self.q_pad_num_heads = None
         self.supports_quant_query_input = False
         self.attn: mb.MLAAttention | None = None
+        #: the selection's kernels, resolved once at weight loading (the cache writes use them)
+        self.kernels: Any = None
 
     # -- weights ------------------------------------------------------------------------
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -370,7 +376,8 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         :func:`mla_backend.weights_from_kv_b_proj`."""
         weights = mb.weights_from_kv_b_proj(self.kv_b_proj, self.dims, dtype=act_dtype)
         self._name_layout(act_dtype)
-        log_once(logger, weights.W_UK.device)  # what runs, once per process and device
+        # what runs, logged once per process and device
+        self.kernels = log_once(logger, weights.W_UK.device).kernels
         self.attn = mb.MLAAttention(self.dims, weights, self.scale)
 
     def _name_layout(self, model_dtype: torch.dtype) -> None:
@@ -422,6 +429,7 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
             k_pe.reshape(k_pe.shape[0], rope),
             slot_mapping.flatten(),
             self._kv_scale(k_scale),
+            impl=self.kernels,
         )
 
     # -- attention ----------------------------------------------------------------------
