@@ -123,6 +123,8 @@ inline int64_t key_pos(int64_t key) { return 4294967295LL - (key & 0xFFFFFFFFLL)
 struct TopK {
   std::vector<int64_t> v;
   int64_t thr = INT64_MIN;
+  // a logit below fthr (the float whose image is thr's high word) has a key below thr
+  float fthr = -std::numeric_limits<float>::infinity();
   size_t k = 1, cap = 2;
   void reset(int64_t k_) {
     k = static_cast<size_t>(k_);
@@ -130,6 +132,12 @@ struct TopK {
     v.clear();
     v.reserve(cap);
     thr = INT64_MIN;
+    fthr = -std::numeric_limits<float>::infinity();
+  }
+  // the logit at a position (a float compare drops most once the buffer has been cut)
+  void offer(float logit, int64_t pos) {
+    if (logit < fthr) return;
+    push(rank_key(logit, pos));
   }
   void push(int64_t key) {
     if (key <= thr) return;
@@ -141,20 +149,33 @@ struct TopK {
     std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<int64_t>());
     v.resize(k);
     thr = v[k - 1];
+    const int64_t k32 = thr >> 32;  // INT32_MIN: a NaN logit, which bounds nothing
+    if (k32 > INT32_MIN) {
+      const int32_t bits = static_cast<int32_t>(k32 >= 0 ? k32 : (k32 ^ 0x7FFFFFFF));
+      std::memcpy(&fthr, &bits, 4);
+    }
   }
 };
 
-// out[0, topk) = the positions of the k best keys of v, ascending, then -1.
-inline void write_selection(std::vector<int64_t>& v, int64_t topk, int32_t* out) {
+// out[0, topk) = the positions (all < L) of the k best keys of v, ascending (a bitmap of the
+// positions, no sort), then -1. bits: scratch.
+inline void write_selection(std::vector<int64_t>& v, int64_t topk, int64_t L, std::vector<uint64_t>& bits,
+                            int32_t* out) {
   const size_t k = static_cast<size_t>(topk);
   if (v.size() > k) {
     std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<int64_t>());
     v.resize(k);
   }
-  std::vector<int32_t> pos(v.size());
-  for (size_t c = 0; c < v.size(); ++c) pos[c] = static_cast<int32_t>(key_pos(v[c]));
-  std::sort(pos.begin(), pos.end());
-  for (size_t c = 0; c < k; ++c) out[c] = c < pos.size() ? pos[c] : -1;
+  const int64_t words = ceil_div(L, 64);
+  bits.assign(static_cast<size_t>(words), 0);
+  for (const int64_t key : v) {
+    const int64_t p = key_pos(key);
+    bits[p >> 6] |= 1ull << (p & 63);
+  }
+  int64_t c = 0;
+  for (int64_t w = 0; w < words; ++w)
+    for (uint64_t b = bits[w]; b != 0; b &= b - 1) out[c++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(b));
+  for (; c < topk; ++c) out[c] = -1;
 }
 
 using mla_core::AElem;
@@ -219,6 +240,7 @@ struct IdxScratch {
   std::vector<AElem> a;
   std::vector<float> c, cb, tmp;
   std::vector<TopK> tk;
+  std::vector<uint64_t> bits;
 };
 
 inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch& S,
@@ -314,7 +336,7 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
           acc = vec::fma(load_f32(w + h, k), x, acc);
         }
         const float logit = vec::hsum(acc) * (nb == 1 ? kscale[m] : 1.0f);
-        if (topk) S.tk[tau].push(rank_key(logit, p0 + m));
+        if (topk) S.tk[tau].offer(logit, p0 + m);
         else P.logits[t * P.logits_s0 + p0 + m] = logit;
       }
     }
@@ -324,7 +346,7 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
     std::vector<int64_t>& v = S.tk[tau].v;
     const int64_t t = P.cu[i] + it.j0 + tau;
     if (it.nsplit == 1) {
-      write_selection(v, P.topk, P.out + t * P.topk);
+      write_selection(v, P.topk, L, S.bits, P.out + t * P.topk);
       continue;
     }
     S.tk[tau].cut();
@@ -345,12 +367,17 @@ inline std::string indexer(const IndexParams& P, const Bounds& b, const Parallel
   for (int64_t i = 0; i < P.B; ++i) total += (P.cu[i + 1] - P.cu[i]) > 0 ? P.kvl[i] : 0;
   const int64_t nthreads = std::max<int64_t>(1, par.threads);
   const int64_t chunk = round_up(std::max<int64_t>(1024, ceil_div(total, 4 * nthreads)), kKeyRows);
+  // a request's kv is split (its tokens' candidates merged after) only when the blocks of query
+  // tokens alone cannot keep the threads busy (a decode step); a prefill's blocks are enough
+  int64_t blocks = 0;
+  for (int64_t i = 0; i < P.B; ++i) blocks += ceil_div(P.cu[i + 1] - P.cu[i], tb);
+  const bool split = blocks < 2 * nthreads;
   std::vector<IdxItem> items;
   int64_t slots = 0;
   for (int64_t i = 0; i < P.B; ++i) {
     const int64_t n = P.cu[i + 1] - P.cu[i], L = P.kvl[i];
     if (n == 0) continue;
-    const int64_t ns = P.out != nullptr ? std::max<int64_t>(1, ceil_div(L, chunk)) : 1;
+    const int64_t ns = P.out != nullptr && split ? std::max<int64_t>(1, ceil_div(L, chunk)) : 1;
     const int64_t len = round_up(ceil_div(L, ns), kKeyRows);
     const int64_t poff = ns > 1 ? slots : 0;
     if (ns > 1) slots += n * ns;
@@ -385,15 +412,16 @@ inline std::string indexer(const IndexParams& P, const Bounds& b, const Parallel
   if (slots == 0) return {};
   // merge each split token's candidates
   struct Tok {
-    int64_t t, slot0, ns;
+    int64_t t, slot0, ns, L;
   };
   std::vector<Tok> toks;
   for (const IdxItem& it : items)
     if (it.nsplit > 1 && it.split == 0)
       for (int64_t j = it.j0; j < it.j1; ++j)
-        toks.push_back({P.cu[it.req] + j, it.part_off + j * it.nsplit, it.nsplit});
+        toks.push_back({P.cu[it.req] + j, it.part_off + j * it.nsplit, it.nsplit, P.kvl[it.req]});
   par.for_range(static_cast<int64_t>(toks.size()), 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> v;
+    std::vector<uint64_t> bits;
     for (int64_t x = b0; x < b1; ++x) {
       const Tok& tk = toks[x];
       v.clear();
@@ -401,7 +429,7 @@ inline std::string indexer(const IndexParams& P, const Bounds& b, const Parallel
         const int64_t* c = pcand.data() + (tk.slot0 + s) * P.topk;
         v.insert(v.end(), c, c + pcnt[tk.slot0 + s]);
       }
-      write_selection(v, P.topk, P.out + tk.t * P.topk);
+      write_selection(v, P.topk, tk.L, bits, P.out + tk.t * P.topk);
     }
   });
   return {};
