@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from mla_backend_integrations._testing.vllm_backends import FORCED_NOTE
 from mla_backend_integrations._testing.vllm_runner import RunSpec, Workload, run_backend
 
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
@@ -123,8 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         "vLLM's _C::*); the rest: that op's Python, dispatch, allocations and copies",
         "timed runs (output tok/s, best of 3, no profiler): "
         + ", ".join(f"{c[0]} {c[3]['workloads'][0]['output_tok_s']:.0f}" for c in cols),
-        f"selected: {', '.join(str(c[3].get('selected')) for c in cols)}",
+        "selected: " + ", ".join(
+            str(c[3].get("selected")) + (" (forced)" if c[3].get("amx_forced") else "")
+            for c in cols
+        ),
     ]
+    if any(c[3].get("amx_forced") for c in cols):
+        notes.append(FORCED_NOTE)
     harness.write_result("vllm_steps", "vLLM decode step, where the time goes", notes,
                          harness.table(header, rows))  # fmt: skip
     return 0
