@@ -219,6 +219,7 @@ std::string run_indexer(Case& c) {
   const int64_t topk = c.i("topk");
   if (topk > 0) {
     P.out = c.make<int32_t>("out", T * topk), P.topk = topk;
+    P.buf_logits = c.i("buf_logits");
   } else {
     const int64_t lw = c.i("width");
     P.logits = c.make<float>("logits", T * lw), P.logits_s0 = lw, P.width = lw;

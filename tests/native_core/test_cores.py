@@ -310,8 +310,10 @@ DSA_RAGGED = ([0, 9, 70, 3, 130], [5, 1, 6, 0, 2])
 
 def _indexer(name: str, Hi: int, Di: int, prefix: list[int], new: list[int], page: int,
              index_dtype: torch.dtype, q_dtype: torch.dtype, topk: int, *, seed: int = 0,
-             threads: int = 1, distinct: int = 0, bad_page: bool = False) -> Spec:  # fmt: skip
-    """The indexer core on a DSA case: top-k (topk > 0) or the logits (topk = 0)."""
+             threads: int = 1, distinct: int = 0, bad_page: bool = False,
+             streaming: bool = False) -> Spec:  # fmt: skip
+    """The indexer core on a DSA case: top-k (topk > 0) or the logits (topk = 0); ``streaming``:
+    every item's top-k through the streaming buffer (buf_logits 0), not the histogram select."""
     d = make_dsa_case(mb.MLADims(2, 16, 8, 4, 8), mb.IndexerDims(Hi, Di, max(topk, 1)),
                       prefix, new, page, dtype=torch.bfloat16, index_dtype=index_dtype,
                       q_dtype=q_dtype, seed=seed, impl="torch", distinct_keys=distinct)  # fmt: skip
@@ -328,7 +330,7 @@ def _indexer(name: str, Hi: int, Di: int, prefix: list[int], new: list[int], pag
         kind=IDX_KIND[index_dtype], qbs=lay.quant_block_size, bt=bt,
         cu=torch.tensor(d.case.batch.cu_new, dtype=torch.int32),
         kvl=torch.tensor(d.case.batch.kv_lens, dtype=torch.int32), max_page_id=-1, topk=topk,
-        width=W, threads=threads,
+        width=W, threads=threads, buf_logits=0 if streaming else 1 << 18,
     )  # fmt: skip
     if bad_page:
         return Spec(name, fields, _refused("block_table[1, 0] = ", "is not a page of the cache"))
@@ -407,6 +409,17 @@ def _dsa_specs() -> list[Spec]:
                           torch.bfloat16, 10, distinct=3))  # fmt: skip
     specs.append(_indexer("idx-splits-decode", 64, 128, [2500, 1800], [1, 1], 16, torch.uint8,
                           FP8, 300, threads=2))  # fmt: skip
+    for k, (idt, qdt) in enumerate(kinds[:3]):  # the streaming top-k (items too big to buffer)
+        specs.append(_indexer(f"idx-stream-{_dt(idt)}-{_dt(qdt)}", 8, 64, *DSA_RAGGED, 16, idt, qdt,
+                              7, seed=40 + k, threads=1 + k % 2, streaming=True))  # fmt: skip
+    specs.append(_indexer("idx-stream-ties-bf16", 8, 32, *DSA_RAGGED, 16, torch.bfloat16,
+                          torch.bfloat16, 10, distinct=3, streaming=True))  # fmt: skip
+    specs.append(_indexer("idx-stream-splits-decode", 64, 128, [2500, 1800], [1, 1], 16,
+                          torch.uint8, FP8, 300, threads=2, streaming=True))  # fmt: skip
+    for streaming in (False, True):  # buffers cut many times (topk 5), exact ties
+        specs.append(_indexer(f"idx-long-ties-{'stream' if streaming else 'hist'}", 8, 32,
+                              [700, 20], [3, 300], 16, torch.bfloat16, torch.bfloat16, 5,
+                              distinct=3, threads=2, streaming=streaming))  # fmt: skip
     specs.append(_indexer("refuse-idx-page", 4, 32, *DSA_RAGGED, 16, torch.uint8,
                           torch.bfloat16, 4, bad_page=True))  # fmt: skip
     for k, (qdt, cdt) in enumerate(DTYPES):

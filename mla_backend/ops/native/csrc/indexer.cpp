@@ -20,7 +20,9 @@
 // it enters the token's streaming top-k: a candidate buffer of int64 rank keys (the logit's
 // order-preserving 32-bit image, then 2^32 - 1 - position: distinct keys, ties to the lower
 // position; -0 == +0; NaN below every number) filtered by the current k-th best and cut back to
-// k by nth_element when full; a token's splits are merged the same way; the selected positions
+// k by nth_element when full (an item whose tokens x keys fit buf_logits keeps its logits
+// instead and selects by a histogram of their top bits: the same keys, the same rule); a
+// token's splits are merged the same way; the selected positions
 // are written ascending, then -1 (mla_backend/ops/indexer.py holds the same rule in torch).
 // Work items go to the caller's Parallel (at::parallel_for in the torch layer); every index is
 // checked before anything is read.
@@ -56,6 +58,10 @@ constexpr int kKeyRows = 30;
 #endif
 constexpr int64_t kIdxMaxCols = 256;  // query columns (tokens x heads) per item, at least Hi
 
+// Logits per item kept whole for a histogram selection when the item's tokens x keys fit here
+// (a decode step's splits, short prefills); larger items stream through TopK.
+constexpr int64_t kIdxBufLogits = int64_t{1} << 18;
+
 struct IndexParams {
   int64_t T = 0, Hi = 0, Di = 0, B = 0, page_size = 0, num_pages = 0;
   const char* q = nullptr;  // [T, Hi, Di], byte strides q_s0 / q_s1, last dim contiguous
@@ -77,6 +83,7 @@ struct IndexParams {
   int64_t logits_s0 = 0, width = 0;
   int32_t* out = nullptr;
   int64_t topk = 0;
+  int64_t buf_logits = kIdxBufLogits;  // the histogram selection's limit (tests force 0: streaming)
 };
 
 inline int64_t key_bytes(const IndexParams& P) {
@@ -178,6 +185,42 @@ inline void write_selection(std::vector<int64_t>& v, int64_t topk, int64_t L, st
   for (; c < topk; ++c) out[c] = -1;
 }
 
+// The logit's order-preserving unsigned 32-bit image (the high word of rank_key, + 2^31).
+inline uint32_t logit_image(float f) {
+  f = f + 0.0f;  // -0 -> +0
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return 0;
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// v = the rank keys of the k best of n logits lg[0, n) at positions pos0 + j (all of them when
+// n <= k), in no order: a histogram of the images' top 11 bits finds the bin holding the k-th
+// best; the bins above it are taken whole and that bin's keys by nth_element (cand: scratch).
+inline void select_best(const float* lg, int64_t n, int64_t pos0, int64_t k, std::vector<int64_t>& v,
+                        std::vector<int64_t>& cand) {
+  v.clear();
+  if (n <= k) {
+    for (int64_t j = 0; j < n; ++j) v.push_back(rank_key(lg[j], pos0 + j));
+    return;
+  }
+  constexpr int kBits = 11;
+  uint32_t hist[1 << kBits] = {};
+  for (int64_t j = 0; j < n; ++j) ++hist[logit_image(lg[j]) >> (32 - kBits)];
+  int64_t above = 0;
+  uint32_t b = (1u << kBits) - 1;
+  for (; b > 0 && above + hist[b] < k; --b) above += hist[b];
+  cand.clear();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t bin = logit_image(lg[j]) >> (32 - kBits);
+    if (bin > b) v.push_back(rank_key(lg[j], pos0 + j));
+    else if (bin == b) cand.push_back(rank_key(lg[j], pos0 + j));
+  }
+  const size_t r = static_cast<size_t>(k - above);
+  if (cand.size() > r) std::nth_element(cand.begin(), cand.begin() + (r - 1), cand.end(), std::greater<int64_t>());
+  v.insert(v.end(), cand.begin(), cand.begin() + std::min(r, cand.size()));
+}
+
 using mla_core::AElem;
 
 // dst[0, lda) = the key at src (its values; zero padded) in the GEMM's A operand form.
@@ -241,6 +284,8 @@ struct IdxScratch {
   std::vector<float> c, cb, tmp;
   std::vector<TopK> tk;
   std::vector<uint64_t> bits;
+  std::vector<float> lb;        // the item's logits [token, key] (histogram selection)
+  std::vector<int64_t> cand;
 };
 
 inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch& S,
@@ -267,9 +312,12 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
   S.c.resize(static_cast<size_t>(crow * ncols));
   if (nb > 1) S.cb.resize(static_cast<size_t>(crow * ncols));
   const bool topk = P.out != nullptr;
+  const int64_t span = it.kv1 - it.kv0;
+  const bool whole = topk && TB * span <= P.buf_logits;  // histogram selection at the end
   if (topk) {
     if (S.tk.size() < static_cast<size_t>(TB)) S.tk.resize(TB);
     for (int tau = 0; tau < TB; ++tau) S.tk[tau].reset(P.topk);
+    if (whole) S.lb.resize(static_cast<size_t>(TB * span));
   }
   float kscale[kKeyRows * 64];  // per key row and block
   const int64_t kend = std::min<int64_t>(it.kv1, P0 + it.j1);  // the block's last token sees < this
@@ -336,7 +384,8 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
           acc = vec::fma(load_f32(w + h, k), x, acc);
         }
         const float logit = vec::hsum(acc) * (nb == 1 ? kscale[m] : 1.0f);
-        if (topk) S.tk[tau].offer(logit, p0 + m);
+        if (whole) S.lb[tau * span + p0 + m - it.kv0] = logit;
+        else if (topk) S.tk[tau].offer(logit, p0 + m);
         else P.logits[t * P.logits_s0 + p0 + m] = logit;
       }
     }
@@ -345,6 +394,10 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
   for (int tau = 0; tau < TB; ++tau) {
     std::vector<int64_t>& v = S.tk[tau].v;
     const int64_t t = P.cu[i] + it.j0 + tau;
+    if (whole) {  // the token's visible keys of the item: positions kv0 .. min(kv1, lim + 1)
+      const int64_t nv = std::max<int64_t>(0, std::min(it.kv1, P0 + it.j0 + tau + 1) - it.kv0);
+      select_best(S.lb.data() + tau * span, nv, it.kv0, P.topk, v, S.cand);
+    }
     if (it.nsplit == 1) {
       write_selection(v, P.topk, L, S.bits, P.out + t * P.topk);
       continue;
