@@ -433,6 +433,13 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         )
 
     # -- attention ----------------------------------------------------------------------
+    def _check_ready(self, output_scale: torch.Tensor | None) -> None:
+        """Refuse a fused output quantization and a layer whose weights were not prepared."""
+        if output_scale is not None:
+            raise ValueError(f"attention backend {BACKEND_NAME} does not fuse output quantization")
+        if self.attn is None:
+            raise RuntimeError(f"{BACKEND_NAME}: process_weights_after_loading was not called")
+
     def forward_mha(
         self,
         q: torch.Tensor,
@@ -445,10 +452,7 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
         output_scale: torch.Tensor | None = None,
     ) -> None:
         """All tokens of the step: q [T, H, nope + rope] -> output [T, H * v] (in place)."""
-        if output_scale is not None:
-            raise ValueError(f"attention backend {BACKEND_NAME} does not fuse output quantization")
-        if self.attn is None:
-            raise RuntimeError("MLA_ABSORB: process_weights_after_loading was not called")
+        self._check_ready(output_scale)
         nope = self.dims.qk_nope_head_dim
         q = q.view(q.shape[0], self.num_heads, -1)
         rows = output.view(output.shape[0], -1)

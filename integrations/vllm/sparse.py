@@ -39,7 +39,6 @@ from mla_backend_integrations.vllm.backend import (
     MLAAbsorbMetadata,
 )
 
-import mla_backend as mb
 from mla_backend import sparse as mbs
 from mla_backend.fp8 import quantize_fp8_groups
 from mla_backend.index_cache import IndexCacheLayout
@@ -126,15 +125,13 @@ class MLAAbsorbSparseImpl(MLAAbsorbImpl):
                 output_scale,
             )  # fmt: skip
             return
-        if output_scale is not None:
-            raise ValueError(f"attention backend {BACKEND_NAME} does not fuse output quantization")
-        if self.attn is None:
-            raise RuntimeError(f"{BACKEND_NAME}: process_weights_after_loading was not called")
+        self._check_ready(output_scale)
         T = plan.num_tokens
         d = self.dims
         q = q.view(q.shape[0], self.num_heads, -1)
-        weights = self.attn.weights
-        q_lat = mb.absorb_q(q[:T, :, : d.qk_nope_head_dim], weights)
+        # both absorptions on the plan's kernels with the layer's prepared (packed) weights,
+        # as the dense path runs them
+        q_lat = self.attn.absorb_q(q[:T, :, : d.qk_nope_head_dim], plan.impl)
         o_lat, _ = mbs.sparse_absorbed_attention(
             q_lat,
             q[:T, :, d.qk_nope_head_dim :],
@@ -144,7 +141,7 @@ class MLAAbsorbSparseImpl(MLAAbsorbImpl):
             self.scale,
             self._kv_scale(k_scale),
         )
-        pad_rows(mb.apply_W_UV(o_lat, weights), output.shape[0], out=output)
+        pad_rows(self.attn.apply_W_UV(o_lat, plan.impl), output.shape[0], out=output)
 
 
 def step_metadata(cache_layer_name: str) -> MLAAbsorbMetadata | None:
