@@ -114,14 +114,19 @@ inline std::string validate_indexer(const IndexParams& P, const Bounds& b) {
   return {};
 }
 
-// The int64 rank key of a logit at a position (mla_backend/ops/indexer.py, rank_keys).
-inline int64_t rank_key(float f, int64_t pos) {
+// The logit's order-preserving unsigned 32-bit image: -0 as +0, NaN (0) below every number.
+inline uint32_t logit_image(float f) {
   f = f + 0.0f;  // -0 -> +0
-  int32_t bits;
+  uint32_t bits;
   std::memcpy(&bits, &f, 4);
-  int64_t k32 = bits >= 0 ? bits : (bits ^ 0x7FFFFFFF);
-  if (std::isnan(f)) k32 = INT32_MIN;
-  return k32 * 4294967296LL + (4294967295LL - pos);
+  if (std::isnan(f)) return 0;
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The int64 rank key of a logit at a position (mla_backend/ops/indexer.py, rank_keys): the
+// image less 2^31 in the high word, 2^32 - 1 - position in the low one.
+inline int64_t rank_key(float f, int64_t pos) {
+  return (static_cast<int64_t>(logit_image(f)) - 2147483648LL) * 4294967296LL + (4294967295LL - pos);
 }
 inline int64_t key_pos(int64_t key) { return 4294967295LL - (key & 0xFFFFFFFFLL); }
 
@@ -183,15 +188,6 @@ inline void write_selection(std::vector<int64_t>& v, int64_t topk, int64_t L, st
   for (int64_t w = 0; w < words; ++w)
     for (uint64_t b = bits[w]; b != 0; b &= b - 1) out[c++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(b));
   for (; c < topk; ++c) out[c] = -1;
-}
-
-// The logit's order-preserving unsigned 32-bit image (the high word of rank_key, + 2^31).
-inline uint32_t logit_image(float f) {
-  f = f + 0.0f;  // -0 -> +0
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (std::isnan(f)) return 0;
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
 // v = the rank keys of the k best of n logits lg[0, n) at positions pos0 + j (all of them when
