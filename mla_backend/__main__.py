@@ -1,5 +1,6 @@
 """``python -m mla_backend info``: what runs here and why (the resolved selection of every
-device this process sees), the CPU, the native builds present, and the configuration variables.
+device this process sees), the CPU, the native builds present, which implementation's code
+serves each seam method in every registered implementation, and the configuration variables.
 
 Resolving the CPU builds the native kernels when none is built yet (about a minute, once).
 """
@@ -16,6 +17,8 @@ from typing import TextIO
 import torch
 
 from . import __version__, config
+from .ops.base import SEAM_METHODS
+from .ops.registry import IMPLS
 from .selection import resolve
 from .testing.host import cpu_flags, cpu_model, has_amx, torch_capability
 
@@ -38,6 +41,24 @@ def native_builds() -> list[str]:
     return [d.name for d in sorted(dirs, key=lambda d: d.stat().st_mtime, reverse=True)]
 
 
+def seam_table() -> list[str]:
+    """Lines of the table of who serves each seam method (rows) in every registered
+    implementation (columns): the implementation whose code runs (``torch``: delegated to the
+    torch implementation); an implementation that cannot be imported here says why below."""
+    cols, missing = {}, []
+    for name in IMPLS.names():
+        try:
+            cols[name] = IMPLS.entry(name).methods()
+        except ImportError as e:
+            cols[name] = {}
+            missing.append(f"  {name}: cannot be imported here ({e})")
+    width = max(len(m) for m in SEAM_METHODS) + 2
+    lines = ["  " + "seam method".ljust(width) + "".join(f"{n:<12}" for n in cols)]
+    for m in SEAM_METHODS:
+        lines.append("  " + m.ljust(width) + "".join(f"{c.get(m, '-'):<12}" for c in cols.values()))
+    return [line.rstrip() for line in lines] + missing
+
+
 def info(out: TextIO = sys.stdout) -> None:
     """Print the report (see the module doc)."""
     p = print
@@ -55,6 +76,10 @@ def info(out: TextIO = sys.stdout) -> None:
             p(resolve(dev).report(), file=out)
         except (ValueError, RuntimeError) as e:
             p(f"device {dev}: cannot resolve: {e}", file=out)
+    p("seam methods: whose code serves each (torch = delegated to the torch implementation):",
+      file=out)
+    for line in seam_table():
+        p(line, file=out)
     p("configuration (MLA_BACKEND_*; set values marked *):", file=out)
     s = config.current()
     for v in config.VARIABLES:

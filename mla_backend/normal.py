@@ -14,6 +14,7 @@ import torch
 
 from .merge import merge_attention_states
 from .ops import KernelImpl
+from .ops.torch import DEFAULT as TORCH
 from .weights import AbsorbWeights
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def decompress(
     impl: KernelImpl | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Latent rows -> per-head keys and values, with ``W_UK`` / ``W_UV`` (no other copy of
-    ``kv_b_proj`` is kept), through ``impl.decompress`` (default: the seam's torch default).
+    ``kv_b_proj`` is kept), through ``impl.decompress`` (default: the torch implementation's).
 
     Args:
         latent: [L, r + rope] rows ``[c_kv ; k_pe]`` (already dequantized, ``dtype``).
@@ -39,7 +40,7 @@ def decompress(
         k: [H, L, nope + rope] (``[W_UK·c_kv ; k_pe]``), v: [H, L, v] (``W_UV·c_kv``).
     """
     if impl is None:
-        impl = KernelImpl()  # the base class's torch defaults
+        impl = TORCH  # the torch implementation
     r = weights.W_UK.shape[-1]
     W_UK = _dequant_weight(weights.W_UK, weights.W_UK_scale, dtype)
     W_UV = _dequant_weight(weights.W_UV, weights.W_UV_scale, dtype)

@@ -8,7 +8,7 @@ It is computed once per process, device type and configuration (:func:`mla_backe
 a changed ``MLA_BACKEND_*`` variable gives a new selection).
 
 The implementations are registered here (:data:`mla_backend.ops.registry.IMPLS`), each with a
-lazy factory that imports it on first use, the device types it serves and a probe saying
+lazy loader that imports its class on first use, the device types it serves and a probe saying
 whether it can run. ``auto`` takes the first runnable implementation of the device type's
 order (:data:`AUTO_ORDER`); a named one that cannot run either falls back (native -> torch,
 with one warning saying why) or raises (triton, flashinfer: nothing to fall back to that the
@@ -42,12 +42,12 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 
-# ---- the registrations (lazy: each factory imports its implementation) ------------------------
+# ---- the registrations (lazy: each loader imports its implementation) ------------------------
 @IMPLS.register("torch", summary="plain PyTorch on every device: the fallback")
-def _torch() -> KernelImpl:
+def _torch() -> type[KernelImpl]:
     from .ops.torch import Kernels
 
-    return Kernels()
+    return Kernels
 
 
 def _native_probe() -> str | None:
@@ -62,10 +62,10 @@ def _native_probe() -> str | None:
     "native", devices=("cpu",), probe=_native_probe,
     summary="C++ CPU kernels, one build per ISA level, compiled on first use",
 )
-def _native() -> KernelImpl:
+def _native() -> type[KernelImpl]:
     from .ops.native import Kernels
 
-    return Kernels()
+    return Kernels
 
 
 def _triton_probe() -> str | None:
@@ -78,10 +78,10 @@ def _triton_probe() -> str | None:
     "triton", probe=_triton_probe,
     summary="Triton kernels: CUDA/ROCm (CPU tensors under TRITON_INTERPRET=1, for tests)",
 )
-def _triton() -> KernelImpl:
+def _triton() -> type[KernelImpl]:
     from .ops.triton import Kernels
 
-    return Kernels()
+    return Kernels
 
 
 def _flashinfer_probe() -> str | None:
@@ -102,10 +102,10 @@ def _flashinfer_probe() -> str | None:
     "flashinfer", probe=_flashinfer_probe,
     summary="FlashInfer's MLA wrapper for the absorbed path where it serves, Triton elsewhere",
 )
-def _flashinfer() -> KernelImpl:
+def _flashinfer() -> type[KernelImpl]:
     from .ops.flashinfer import Kernels
 
-    return Kernels()
+    return Kernels
 
 
 #: a named implementation that cannot run falls back to this one (with a warning); a name

@@ -176,7 +176,7 @@ def test_torch_decode_paths_match_oracle(
     lengths share one gather and bmm; padding columns of the block table hold garbage page ids
     on purpose) and through the fused flash decode path; LSE checked too."""
     from mla_backend.ops.torch import Kernels
-    from mla_backend.ops.torch.absorbed import decode_groups
+    from mla_backend.ops.torch.absorbed_attention import decode_groups
 
     impl = Kernels(flash_max_heads=flash_max_heads)
     prefix = [40, 47, 33, 45, 300, 290, 0, 310]

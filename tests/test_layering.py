@@ -1,9 +1,10 @@
 """The import graph of ``mla_backend/`` (every import statement, inside functions and
 ``TYPE_CHECKING`` blocks included, and every ``importlib.import_module`` / ``__import__`` of a
 literal module name, read with ``ast`` by :mod:`import_graph`): no cycle, no module importing
-one in a higher layer, and no kernel implementation importing another one except its declared
-fallback (:data:`FALLBACKS`: FlashInfer composes the Triton implementation for the cases its
-wrapper cannot serve).
+one in a higher layer, and no kernel implementation importing another one except the torch
+implementation (:data:`DEFAULT`: every implementation may delegate a seam method to it, by name,
+``torch_default``) and its declared fallback (:data:`FALLBACKS`: FlashInfer composes the Triton
+implementation for the cases its wrapper cannot serve).
 
 Layers, lowest first (a module may import its own layer or lower ones):
 
@@ -11,11 +12,11 @@ Layers, lowest first (a module may import its own layer or lower ones):
    input types), cost (the roofline and its profiles), config (the environment variables),
    decision (a choice and its reason);
 1. policy (asks the implementation for its cost profile, imports none);
-2. the device seam (``ops/__init__``, ``ops/base``: the base class; ``ops/registry``) and the
-   helpers implementations share (``ops/*.py``);
-3. the implementations, sibling packages ``ops/torch``, ``ops/native``, ``ops/triton``,
-   ``ops/flashinfer`` (and any new one under ``ops/``);
-4. selection (registers the implementations with lazy factories, resolves what runs) and plan;
+2. the device seam (``ops/__init__``, ``ops/base``: the base class and the seam's records;
+   ``ops/registry``): no torch code of the ops;
+3. the implementations, sibling packages ``ops/torch`` (also the code the others delegate to),
+   ``ops/native``, ``ops/triton``, ``ops/flashinfer`` (and any new one under ``ops/``);
+4. selection (registers the implementations with lazy loaders, resolves what runs) and plan;
 5. entry points: checks, normal, attention, sparse;
 6. the package itself, ``__main__`` and ``testing/``.
 """
@@ -37,6 +38,8 @@ SELECTION = ("selection", "plan")
 ENTRY = ("checks", "normal", "attention", "sparse")
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
+#: the implementation every other one may delegate seam methods to (``torch_default``)
+DEFAULT = "torch"
 #: upward imports in files another branch owns, to drop when it lands (see the merge note)
 PENDING: set[tuple[str, str]] = set()
 
@@ -82,7 +85,7 @@ def test_graph_is_read() -> None:
     assert "mla_backend.parts" in GRAPH["mla_backend.ops.base"]
     assert "mla_backend.cache_layout" in GRAPH["mla_backend.ops.base"]  # a TYPE_CHECKING import
     assert "mla_backend.ops.native.ops" in GRAPH["mla_backend.ops.native.kernels"]
-    # the registrations import each implementation inside its factory
+    # the registrations import each implementation inside its loader
     assert "mla_backend.ops.native" in GRAPH["mla_backend.selection"]
 
 
@@ -100,7 +103,7 @@ def test_implementations_do_not_import_each_other(module: str) -> None:
     mine = implementation(module)
     if mine is None:
         return
-    allowed = (None, mine, FALLBACKS.get(mine))
+    allowed = (None, mine, DEFAULT, FALLBACKS.get(mine))
     other = sorted(m for m in GRAPH[module] if implementation(m) not in allowed)
     assert not other, f"{module} imports another implementation: {other}"
 

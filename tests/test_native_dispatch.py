@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import mla_backend as mb
-from mla_backend.ops import dense, sdpa
 from mla_backend.ops.native import kernels as native_kernels
+from mla_backend.ops.torch import decompress as torch_decompress
+from mla_backend.ops.torch import mha as torch_mha
 from mla_backend.testing.reference import reference_mla_attention
 
 DIMS = mb.MLADims(2, 32, 16, 8, 16)
@@ -26,11 +27,11 @@ def _run_normal(isa: str, monkeypatch: pytest.MonkeyPatch, prefix: int, new: int
 
     def spy_decompress(c_kv, k_pe, W_UK, W_UV, *, isa=None):
         calls.append("decompress")
-        return dense.decompress(c_kv, k_pe, W_UK, W_UV)
+        return torch_decompress.decompress(c_kv, k_pe, W_UK, W_UV)
 
     def spy_attention(q, k, v, causal, scale, *, isa=None):
         calls.append("attention_with_lse")
-        return sdpa.attention_with_lse(q, k, v, causal, scale)
+        return torch_mha.attention_with_lse(q, k, v, causal, scale)
 
     monkeypatch.setattr(native_kernels.native, "decompress", spy_decompress)
     monkeypatch.setattr(native_kernels.native, "attention_with_lse", spy_attention)

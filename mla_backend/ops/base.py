@@ -1,26 +1,28 @@
 """The device seam's base class: :class:`KernelImpl`, what every kernel implementation provides,
-with the shared defaults, and the typed records its calls take.
+the list of its per-call methods (:data:`SEAM_METHODS`), and the typed records those calls take.
 
-An implementation subclasses :class:`KernelImpl`, sets ``name`` and overrides only what it does
-differently; it is registered with the seam's registry (:mod:`mla_backend.ops.registry`). The
-per-layer calls take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`), validated
-once at the public entry points (:mod:`mla_backend.attention`), so no implementation retypes
-their arguments. Per-plan state an implementation
-keeps (a schedule, a planned third-party wrapper) is a :class:`~mla_backend.parts.PlanState`,
-stored in the plan's :class:`~mla_backend.parts.WorkPartition`; plan-time calls take a
+An implementation subclasses :class:`KernelImpl` and sets ``name``. Every method of
+:data:`SEAM_METHODS` is abstract here: an implementation serves each one with its own code or
+delegates it explicitly to the torch implementation's (``m = torch_default("m")``,
+:func:`mla_backend.ops.torch.torch_default`); a class that does neither is refused when it is
+defined, naming the method (:func:`check_declared`), and :func:`served_by` says who serves
+what (the registry, :mod:`mla_backend.ops.registry`, and ``python -m mla_backend info`` show
+it). The per-call methods take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`,
+:class:`IndexKeyWrite`, :class:`IndexerCall`, :class:`SparseCall`), validated once at the
+public entry points (:mod:`mla_backend.attention`, :mod:`mla_backend.sparse`) and handed down as
+they are to each implementation's op wrappers, so no layer retypes their arguments. Per-plan
+state an implementation keeps (a schedule, a planned third-party wrapper) is a
+:class:`~mla_backend.parts.PlanState`, stored in the plan's
+:class:`~mla_backend.parts.WorkPartition`; plan-time calls take a
 :class:`~mla_backend.parts.StepShape`.
 
-Defaults (plain PyTorch, shared by every implementation that has nothing better): the
-absorption bmms (:func:`mla_backend.weights.absorb_q` / ``apply_W_UV``), the normal path's cache
-reads (:mod:`.paged`), decompression (:mod:`.dense`) and MHA (:mod:`.sdpa`), one query block
-per request and one split, no plan state, identity weight preparation, the generic CPU / GPU
-cost profile; DeepSeek Sparse Attention's index-key write, indexer logits / top-k
-(:mod:`.indexer`) and sparse attention (:mod:`.sparse`) in plain torch. ``write_latent`` and
-``absorbed_attention`` have no default.
+The plan-time hooks have neutral defaults (no torch code): one query block per request and one
+split, no plan state, identity weight preparation, the generic CPU / GPU cost profile.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -29,8 +31,7 @@ import torch
 from ..cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ..decision import Decision
 from ..parts import PlanState, StepShape
-from ..weights import AbsorbWeights, absorb_q, apply_W_UV
-from . import dense, indexer, paged, sdpa, sparse
+from ..weights import AbsorbWeights
 
 if TYPE_CHECKING:
     from ..cache_layout import CacheLayout
@@ -38,9 +39,19 @@ if TYPE_CHECKING:
     from ..parts import PlanPart, SparsePart
 
 __all__ = [
-    "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite", "PlanState",
-    "SparseCall", "StepShape",
+    "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
+    "PlanState", "SparseCall", "StepShape", "check_declared", "served_by",
 ]  # fmt: skip
+
+#: the seam's per-call methods, in the order ``info`` lists them: every implementation serves
+#: each one, with its own code or by an explicit delegation to the torch implementation's
+SEAM_METHODS: tuple[str, ...] = (
+    "absorb_q", "apply_W_UV", "write_latent", "absorbed_attention", "gather_latent",
+    "decompress", "attention_with_lse", "write_index_keys", "indexer_logits", "indexer_topk",
+    "sparse_absorbed_attention",
+)  # fmt: skip
+#: the attribute a delegated method carries: the implementation whose code serves it
+DELEGATE_ATTR = "__seam_delegate__"
 
 
 @dataclass(frozen=True)
@@ -123,7 +134,7 @@ class IndexKeyWrite:
 class IndexerCall:
     """One lightning-indexer call: ``I[s, t] = sum_h weights[s, h] * relu(q_I[s, h] . k_I[t])``
     over the positions each query token sees, then (``topk`` > 0) its causal top-k
-    (:mod:`mla_backend.ops.indexer` states the rule every implementation follows).
+    (:mod:`mla_backend.ops.torch.indexer` states the rule every implementation follows).
 
     Attributes:
         q_I: [T, Hi, Di] bf16/fp16/fp32/float8_e4m3fn; weights: [T, Hi] float32.
@@ -159,8 +170,48 @@ class SparseCall:
     indices: torch.Tensor
 
 
-class KernelImpl:
-    """What every kernel implementation provides (see the module doc for the defaults).
+def _abstract_in(cls: type) -> list[str]:
+    """The seam methods ``cls`` neither implements nor delegates (still :class:`KernelImpl`'s
+    abstract ones)."""
+    missing = []
+    for m in SEAM_METHODS:
+        attr = getattr(cls, m, None)
+        if attr is None or getattr(attr, "__isabstractmethod__", False):
+            missing.append(m)
+    return missing
+
+
+def check_declared(cls: type[KernelImpl]) -> None:
+    """Refuse an implementation class that leaves a seam method undeclared (TypeError naming it
+    and the two ways to declare it)."""
+    missing = _abstract_in(cls)
+    if missing:
+        first = missing[0]
+        raise TypeError(
+            f"kernel implementation {cls.__module__}.{cls.__qualname__} ({cls.name!r}) neither "
+            f"implements nor delegates the seam method(s) {', '.join(missing)}: define each, "
+            f"or delegate it explicitly to the torch implementation ({first} = "
+            f"torch_default({first!r}), from mla_backend.ops.torch)"
+        )
+
+
+def served_by(cls: type[KernelImpl]) -> dict[str, str]:
+    """Seam method -> the implementation whose code serves it on ``cls``: the implementation
+    that defines it (``cls``'s own name, or a base implementation's it composes), or the one it
+    is delegated to (``torch_default``: ``"torch"``)."""
+    check_declared(cls)
+    out = {}
+    for m in SEAM_METHODS:
+        owner = next(c for c in cls.__mro__ if m in c.__dict__)
+        delegate = getattr(owner.__dict__[m], DELEGATE_ATTR, None)
+        out[m] = delegate or owner.name  # type: ignore[attr-defined]
+    return out
+
+
+class KernelImpl(ABC):
+    """What every kernel implementation provides: the seam methods (:data:`SEAM_METHODS`,
+    abstract: each implementation declares every one, see the module doc) and the plan-time
+    hooks (neutral defaults).
 
     Tuning knobs are keyword arguments of an implementation's constructor; no call reads tensor
     data on the host.
@@ -168,6 +219,10 @@ class KernelImpl:
 
     #: the implementation's registered name (``MLA_BACKEND_IMPL`` value)
     name: ClassVar[str] = "base"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        check_declared(cls)
 
     def __repr__(self) -> str:
         return f"ops.{self.name}.Kernels()"
@@ -200,74 +255,75 @@ class KernelImpl:
         return weights
 
     # ---- per layer: absorbed path --------------------------------------------------------
+    @abstractmethod
     def absorb_q(
         self, q_nope: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``q_lat = q_nope · W_UK`` per head: q_nope [T, H, nope] -> [T, H, r] in its dtype
         (into ``out`` [T, H, r] when given)."""
-        return absorb_q(q_nope, weights, out=out)
 
+    @abstractmethod
     def apply_W_UV(
         self, o_lat: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``o = o_lat · W_UV`` per head: o_lat [T, H, r] -> [T, H, v] in its dtype (into
         ``out`` [T, H, v] when given)."""
-        return apply_W_UV(o_lat, weights, out=out)
 
+    @abstractmethod
     def write_latent(self, w: LatentWrite) -> None:
         """Write ``[c_kv ; k_pe]`` into the cache, in place (see :class:`LatentWrite`)."""
-        raise NotImplementedError(f"{self.name} has no write_latent")
 
+    @abstractmethod
     def absorbed_attention(self, call: AbsorbedCall) -> tuple[torch.Tensor, torch.Tensor]:
         """(o_lat [T, H, r] in q's dtype, lse [T, H] float32, natural log), in ``call.out`` /
         ``call.lse`` when given (see :class:`AbsorbedCall`)."""
-        raise NotImplementedError(f"{self.name} has no absorbed_attention")
 
     # ---- per layer: normal path ----------------------------------------------------------
-    #: rows ``[start, end)`` of request ``i`` of a part, dequantized: the normal path's read of
-    #: the latent cache (:func:`mla_backend.ops.paged.gather_latent`; no implementation has its own)
-    gather_latent = staticmethod(paged.gather_latent)
+    @abstractmethod
+    def gather_latent(
+        self,
+        kv_cache: torch.Tensor,
+        layout: CacheLayout,
+        part: PlanPart,
+        i: int,
+        start: int,
+        end: int,
+        dtype: torch.dtype,
+        kv_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rows ``[start, end)`` of request ``i`` of ``part`` as [end - start, r + rope] in
+        ``dtype``, dequantized by ``layout``: the normal path's read of the latent cache."""
 
+    @abstractmethod
     def decompress(
         self, c_kv: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """c_kv [L, r], k_pe [L, rope], W_UK [H, nope, r], W_UV [H, r, v] (one dtype) ->
         (k [H, L, nope + rope] = ``[c_kv·W_UK[h]^T ; k_pe]``, v [H, L, v] = ``c_kv·W_UV[h]``)."""
-        return dense.decompress(c_kv, k_pe, W_UK, W_UV)
 
+    @abstractmethod
     def attention_with_lse(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MHA of q [H, Lq, Dqk] over k [H, Lk, Dqk], v [H, Lk, Dv] (top-left causal when
         ``causal``) -> (o [H, Lq, Dv] in q's dtype, lse [H, Lq] float32)."""
-        return sdpa.attention_with_lse(q, k, v, causal, scale)
 
     # ---- per layer: DeepSeek Sparse Attention (DSA) ---------------------------------------
+    @abstractmethod
     def write_index_keys(self, w: IndexKeyWrite) -> None:
         """Write the indexer keys into the index cache, in place (see :class:`IndexKeyWrite`)."""
-        indexer.write_index_keys(w.index_cache, w.layout, w.k_I, w.slot_mapping)
 
+    @abstractmethod
     def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
         """float32 [T, call.sparse.max_kv_len]: the scores, -inf where a token does not see the
         position (see :class:`IndexerCall`)."""
-        c = call
-        return indexer.indexer_logits(
-            c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse, c.out
-        )
 
+    @abstractmethod
     def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
         """[T, call.topk] int32: each token's best ``min(topk, visible)`` positions, ascending,
         then -1 (see :class:`IndexerCall`)."""
-        c = call
-        return indexer.indexer_topk(
-            c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse, c.topk, c.out
-        )
 
+    @abstractmethod
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         """(o_lat [T, H, r] in q's dtype, lse [T, H] float32), in ``call.attn.out`` /
         ``call.attn.lse`` when given (see :class:`SparseCall`)."""
-        a = call.attn
-        return sparse.sparse_absorbed_attention(
-            a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part, call.sparse, call.indices,
-            a.softmax_scale, a.kv_scale, a.out, a.lse,
-        )  # fmt: skip

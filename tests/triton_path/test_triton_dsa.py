@@ -10,7 +10,7 @@ oracle (:mod:`mla_backend.testing.reference`) and the torch path (CPU):
   batches with an empty request) and the top-k sets (near-tie slack; exact ties to the lower
   position; short rows padded with -1; ``out=``);
 - the top-k selection kernel alone on crafted rows (exact ties, +-0, NaN, +-inf, rows longer
-  than one block) equal to the torch rule (:func:`mla_backend.ops.indexer.topk_positions`);
+  than one block) equal to the torch rule (:func:`mla_backend.ops.torch.indexer.topk_positions`);
 - the sparse attention over every latent layout (bf16 / fp16 / fp32, per-tensor fp8,
   ``fp8_ds_mla``), latents of 1 to 4 column chunks, lists in any order with -1 entries, a token
   with no entry (o = 0, lse = -inf), split lists merged by LSE, ``out=`` / ``lse=`` buffers,
@@ -31,7 +31,8 @@ from triton_case import DEVICE, ON_GPU, TritonKernels, load_benchmark, tops  # n
 
 import mla_backend as mb
 from mla_backend.index_cache import IndexCacheLayout
-from mla_backend.ops import indexer as torch_indexer
+from mla_backend.ops import IndexKeyWrite
+from mla_backend.ops.torch import indexer as torch_indexer
 from mla_backend.ops.triton import dsa
 from mla_backend.testing.cases import DsaCase, index_fp8_dequantized, make_dsa_case
 from mla_backend.testing.dsa_checks import check_logits, check_sparse, check_topk, logit_bound
@@ -116,7 +117,7 @@ def test_index_key_write_equals_the_torch_writer(name, Di, block, fmt, k_dtype):
     slots = torch.randperm(pages * ps, generator=g)[:T]
     slots[::5] = -1
     want = before.clone()
-    torch_indexer.write_index_keys(want, lay, k, slots)
+    torch_indexer.write_index_keys(IndexKeyWrite(want, lay, k, slots))
     got = before.to(DEVICE)
     mb.write_index_keys(got, k.to(DEVICE), slots.to(DEVICE), lay, impl=TritonKernels())
     got = got.cpu()
@@ -179,7 +180,7 @@ def test_indexer_several_scales_per_key(Di, block):
     for i, keys in enumerate(d.keys):
         bt = c.batch.block_table[i]
         slots = torch.tensor([int(bt[t // 16]) * 16 + t % 16 for t in range(keys.shape[0])])
-        torch_indexer.write_index_keys(cache, lay, keys, slots)
+        torch_indexer.write_index_keys(IndexKeyWrite(cache, lay, keys, slots))
     d.index_cache = cache
     d.keys = [index_fp8_dequantized(k, block) for k in d.keys]
     _check_indexer(d, _dev(d), topks=(7,))

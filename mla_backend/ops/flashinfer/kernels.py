@@ -4,8 +4,9 @@ One rule decides who serves an absorbed call: FlashInfer's MLA wrapper when the 
 planned for it (CUDA, ``kv_lora_rank`` 512, rope 64, flashinfer importable) and the call brings
 what it was planned for (queries and cache in the planned bf16 / fp16 dtype, no fp8 or
 ``fp8_ds_mla`` cache, the planned softmax scale); our Triton kernel otherwise (odd dims, fp8
-caches, CPU tensors under the interpreter). Everything else (cache write, absorption GEMMs,
-normal path) is the Triton implementation's.
+caches, CPU tensors under the interpreter). The cache write is the Triton implementation's;
+the absorption GEMMs, the normal path and DSA are delegated explicitly to the torch
+implementation (:func:`mla_backend.ops.torch.torch_default`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ...cost import DeviceProfile
 from ...decision import Decision
 from ...parts import PlanState, StepShape
 from ..base import AbsorbedCall, KernelImpl, LatentWrite
+from ..torch import torch_default
 from ..triton import Kernels as TritonKernels
 from ..triton.schedule import TritonSchedule
 from . import wrapper as fi
@@ -50,6 +52,16 @@ class Kernels(KernelImpl):
     """
 
     name = "flashinfer"
+
+    absorb_q = torch_default("absorb_q")
+    apply_W_UV = torch_default("apply_W_UV")
+    gather_latent = torch_default("gather_latent")
+    decompress = torch_default("decompress")
+    attention_with_lse = torch_default("attention_with_lse")
+    write_index_keys = torch_default("write_index_keys")
+    indexer_logits = torch_default("indexer_logits")
+    indexer_topk = torch_default("indexer_topk")
+    sparse_absorbed_attention = torch_default("sparse_absorbed_attention")
 
     def __init__(
         self,

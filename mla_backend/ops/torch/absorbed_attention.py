@@ -25,7 +25,8 @@ import torch
 from ...cache_layout import CacheLayout
 from ...merge import merge_attention_states
 from ...parts import PlanPart
-from ..paged import latent_rows
+from ..base import AbsorbedCall
+from .paged import latent_rows
 
 
 @dataclass(frozen=True)
@@ -78,18 +79,12 @@ class _Call:
     tuning: Tuning
 
 
-def absorbed_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    part: PlanPart,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,
-    layout: CacheLayout,
-    tuning: Tuning,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_lat [T, H, r], q_pe [T, H, rope] -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32):
-    see :meth:`mla_backend.ops.KernelImpl.absorbed_attention`."""
+def absorbed_attention(ac: AbsorbedCall, tuning: Tuning) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_lat [T, H, r], q_pe [T, H, rope] -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32),
+    new tensors (the caller delivers them into ``ac.out`` / ``ac.lse``): see
+    :meth:`mla_backend.ops.KernelImpl.absorbed_attention`."""
+    q_lat, q_pe, kv_cache, part = ac.q_lat, ac.q_pe, ac.kv_cache, ac.part
+    softmax_scale, kv_scale, layout = ac.softmax_scale, ac.kv_scale, ac.layout
     T, H, r = q_lat.shape
     rope = q_pe.shape[-1]
     dev, cd = q_lat.device, q_lat.dtype

@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import torch
 
-from ...cache_layout import CacheLayout
+from ..base import LatentWrite
 
 
-def write_latent(
-    kv_cache: torch.Tensor,
-    c_kv: torch.Tensor,
-    k_pe: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    layout: CacheLayout,
-) -> None:
+def write_latent(w: LatentWrite) -> None:
     """Write c_kv [T, r], k_pe [T, rope] to ``slot_mapping`` [>= T] of ``kv_cache`` [pages,
-    page_size, width] in ``layout``, in place.
+    page_size, width] in ``layout``, in place (the fields of ``w``).
 
     Padding slots (< 0) are redirected, without reading the mask on the host, to the largest
     slot of the step with that slot's own row (identical duplicate writes), or, when every slot
     is padding, to the last cache row with its current content."""
+    kv_cache, c_kv, k_pe, slot_mapping = w.kv_cache, w.c_kv, w.k_pe, w.slot_mapping
+    kv_scale, layout = w.kv_scale, w.layout
     T = c_kv.shape[0]
     if T == 0:
         return

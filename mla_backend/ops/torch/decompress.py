@@ -1,6 +1,6 @@
-"""The normal path's decompression in plain torch, shared by the implementations that have no
-kernel of their own for it (torch, Triton) and by the native one for the dtypes its kernel does
-not take."""
+"""The normal path's decompression in plain torch: the torch implementation's, and the one the
+others delegate to (Triton, FlashInfer; the native one for the dtypes its kernel does not
+take)."""
 
 from __future__ import annotations
 

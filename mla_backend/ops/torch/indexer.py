@@ -1,6 +1,6 @@
-"""The DSA lightning indexer in plain torch, shared by the implementations that have no kernel of
-their own for it (torch, Triton, FlashInfer) and by the native one for what its kernels do not
-take: the index-key cache write, the indexer logits and the causal top-k per query token.
+"""The DSA lightning indexer in plain torch: the torch implementation's, and the one the others
+delegate to for what their kernels do not take (:func:`~mla_backend.ops.torch.torch_default`):
+the index-key cache write, the indexer logits and the causal top-k per query token.
 
 Top-k order (every implementation follows it exactly): a query token's candidates are the
 positions it sees (``0 .. pos``); they are ranked by logit, larger first, a tie going to the
@@ -20,8 +20,9 @@ from dataclasses import replace
 
 import torch
 
-from ..index_cache import IndexCacheLayout
-from ..parts import PlanPart, SparsePart
+from ...index_cache import IndexCacheLayout
+from ...parts import PlanPart
+from ..base import IndexerCall, IndexKeyWrite
 
 #: the rank key of a position a query token does not see
 INVISIBLE = -(2**63)
@@ -31,18 +32,14 @@ _LOW = 2**32 - 1
 CHUNK_ELEMENTS = 1 << 24
 
 
-def write_index_keys(
-    index_cache: torch.Tensor,
-    layout: IndexCacheLayout,
-    k_I: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def write_index_keys(w: IndexKeyWrite) -> None:
     """Write keys k_I [T, Di] to ``slot_mapping`` [>= T] (< 0 skipped) of ``index_cache``
-    [pages, page_size, W] in ``layout``, in place.
+    [pages, page_size, W] in ``layout``, in place (the fields of ``w``).
 
     Padding slots (< 0) are redirected, without reading the mask on the host, to the largest
     slot of the step with that slot's own key (identical duplicate writes), or, when every slot
     is padding, to the cache's last slot with its current content."""
+    index_cache, layout, k_I, slot_mapping = w.index_cache, w.layout, w.k_I, w.slot_mapping
     T = k_I.shape[0]
     if T == 0:
         return
@@ -80,17 +77,9 @@ def request_keys(
     return layout.decode(v, s)
 
 
-def indexer_logits(
-    q_I: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    layout: IndexCacheLayout,
-    part: PlanPart,
-    sparse: SparsePart,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def indexer_logits(c: IndexerCall) -> torch.Tensor:
     """The seam's ``indexer_logits``: :func:`logits` over the step, [T, sparse.max_kv_len]."""
-    return logits(q_I, weights, index_cache, layout, part, sparse.max_kv_len, out)
+    return logits(c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse.max_kv_len, c.out)
 
 
 def logits(
@@ -161,19 +150,12 @@ def topk_positions(
     return out
 
 
-def indexer_topk(
-    q_I: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    layout: IndexCacheLayout,
-    part: PlanPart,
-    sparse: SparsePart,
-    topk: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def indexer_topk(c: IndexerCall) -> torch.Tensor:
     """The causal top-k per query token: [T, topk] int32 (``out`` when given), the rule of the
     module docstring, over :func:`logits` (one request at a time, so the logits never exceed
     one request's rows x its keys)."""
+    q_I, weights, index_cache, layout, part = c.q_I, c.weights, c.index_cache, c.layout, c.part
+    sparse, topk, out = c.sparse, c.topk, c.out
     T = q_I.shape[0]
     res = out if out is not None else torch.empty(T, topk, dtype=torch.int32, device=q_I.device)
     for i, (P, n) in enumerate(zip(part.prefix_lens, part.new_lens, strict=True)):

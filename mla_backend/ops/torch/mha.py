@@ -1,6 +1,6 @@
-"""Multi-head attention with its log-sum-exp through torch's fused SDPA kernels: the normal
-path's MHA wherever an implementation has no kernel of its own (every implementation shares
-it)."""
+"""Multi-head attention with its log-sum-exp through torch's fused SDPA kernels: the torch
+implementation's normal-path MHA, and the one the others delegate to where they have no kernel
+of their own (Triton, FlashInfer; the native one beside its bf16 kernel)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Reads of the paged latent cache that every implementation shares: one request's logical
-rows gathered through the plan's host page ids (:func:`latent_rows`), and those rows
-dequantized for the normal path (:func:`gather_latent`, :func:`dequantize_rows`).
+"""Reads of the paged latent cache in plain torch: one request's logical rows gathered through
+the plan's host page ids (:func:`latent_rows`, also the torch absorbed attention's), and those
+rows dequantized for the normal path (:func:`gather_latent`: every implementation delegates its
+``gather_latent`` here).
 
 Sizes and page ids come from the plan's host data (:class:`~mla_backend.parts.PlanPart`), never
 from tensors; the kv scale stays a tensor: no device-to-host sync.
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache_layout import CacheLayout
-from ..parts import PlanPart
+from ...cache_layout import CacheLayout
+from ...parts import PlanPart
 
 
 def latent_rows(

@@ -1,6 +1,6 @@
-"""DSA's sparse absorbed attention in plain torch, shared by the implementations that have no
-kernel of their own for it (torch, Triton, FlashInfer) and by the native one for what its
-kernels do not take.
+"""DSA's sparse absorbed attention in plain torch: the torch implementation's, and the one the
+others delegate to for what their kernels do not take
+(:func:`~mla_backend.ops.torch.torch_default`).
 
 Each query token attends to the latent rows of its own index list: logical positions of its
 request (``-1`` = no entry), mapped to physical rows through the plan's block table, gathered
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache_layout import CacheLayout
-from ..parts import PlanPart, SparsePart
+from ...parts import PlanPart, SparsePart
+from ..base import SparseCall
 
 #: fp32 elements of one chunk of gathered rows (tokens x k x width)
 CHUNK_ELEMENTS = 1 << 23
@@ -35,21 +35,13 @@ def check_indices(indices: torch.Tensor, part: PlanPart, sparse: SparsePart) -> 
     torch._assert_async(ok, OUT_OF_RANGE)
 
 
-def sparse_absorbed_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layout: CacheLayout,
-    part: PlanPart,
-    sparse: SparsePart,
-    indices: torch.Tensor,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_absorbed_attention(call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
     """q_lat [T, H, r], q_pe [T, H, rope], indices [T, k] int32 (logical positions, -1 = none)
-    -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32; ``out`` / ``lse`` when given)."""
+    -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32; ``out`` / ``lse`` when given): the
+    fields of ``call`` and its ``attn``."""
+    a, sparse, indices = call.attn, call.sparse, call.indices
+    q_lat, q_pe, kv_cache, layout, part = a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part
+    softmax_scale, kv_scale, out, lse = a.softmax_scale, a.kv_scale, a.out, a.lse
     T, H, r = q_lat.shape
     dev, cd = q_lat.device, q_lat.dtype
     o_lat = out if out is not None else torch.empty(T, H, r, dtype=cd, device=dev)

@@ -36,7 +36,7 @@ from torch.library import triton_op
 from ... import fp8 as _fp8
 from ...cache_layout import FP8_TILE
 from ...index_cache import AMAX_FLOOR
-from .. import sparse as torch_sparse
+from ..torch import sparse_attention as torch_sparse
 from .jit import heuristics as hx
 from .jit.indexer import indexer_logits_kernel, topk_select_kernel, write_index_keys_kernel
 from .jit.sparse_attention import sparse_attn_kernel, sparse_merge_kernel
@@ -240,7 +240,8 @@ def indexer_logits(call: IndexerCall, *, fp8_mode: str | None = None) -> torch.T
 
 def indexer_topk(call: IndexerCall, *, fp8_mode: str | None = None) -> torch.Tensor:
     """[T, call.topk] int32 (into ``call.out`` when given) through
-    ``mla_backend::triton_indexer_topk``: the rule of :mod:`mla_backend.ops.indexer`, exactly."""
+    ``mla_backend::triton_indexer_topk``: the rule of :mod:`mla_backend.ops.torch.indexer`,
+    exactly."""
     args, bits = _indexer_args(call, fp8_mode)
     res = torch.ops.mla_backend.triton_indexer_topk(*args, call.sparse.max_kv_len, call.topk,
                                                     bits)  # fmt: skip
@@ -351,9 +352,9 @@ def sparse_attention(
     """Sparse absorbed attention through ``mla_backend::triton_sparse_attention`` (arguments
     validated at the entry point; r within :func:`sparse_supported`). Indices out of range
     (>= the request's kv length, or < -1) are refused with ``torch._assert_async`` (the shared
-    check of :mod:`mla_backend.ops.sparse`; on a GPU a device-side assert) and masked in the
-    kernel, which never reads them. Returns (o_lat [T, H, r], lse [T, H]) in ``call.attn.out``
-    / ``call.attn.lse`` when given."""
+    check of :mod:`mla_backend.ops.torch.sparse_attention`; on a GPU a device-side assert) and
+    masked in the kernel, which never reads them. Returns (o_lat [T, H, r], lse [T, H]) in
+    ``call.attn.out`` / ``call.attn.lse`` when given."""
     a, part = call.attn, call.attn.part
     T, H, r = a.q_lat.shape
     dev = a.q_lat.device

@@ -1,9 +1,10 @@
 """The Triton implementation of the device seam (:class:`Kernels`): the custom ops of
 :mod:`.ops` for the cache write and the absorbed attention (with its plan-time schedule,
 :mod:`.schedule`), and of :mod:`.dsa` for DSA's index-key write, indexer logits / top-k and
-sparse attention; the normal path's cache reads and MHA (torch's fused SDPA) are the base
-class's defaults, as are DSA shapes the kernels do not take (a latent wider than 512, more
-than 16 scales per index key), which run the base class's torch versions."""
+sparse attention. Delegated explicitly to the torch implementation
+(:func:`mla_backend.ops.torch.torch_default`): the absorption bmms, the normal path's cache
+reads, decompression and MHA (torch's fused SDPA), and the DSA shapes the kernels do not take (a
+latent wider than 512, more than 16 scales per index key)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from ...decision import Decision
 from ...dims import MLADims
 from ...parts import StepShape
 from ..base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
+from ..torch import DEFAULT as TORCH
+from ..torch import torch_default
 from . import dsa, schedule
 from . import ops as triton_ops  # by module: tests reload it and patch its functions
 from .jit import heuristics as hx
@@ -50,6 +53,12 @@ class Kernels(KernelImpl):
     """
 
     name = "triton"
+
+    absorb_q = torch_default("absorb_q")
+    apply_W_UV = torch_default("apply_W_UV")
+    gather_latent = torch_default("gather_latent")
+    decompress = torch_default("decompress")
+    attention_with_lse = torch_default("attention_with_lse")
 
     def __init__(
         self,
@@ -188,15 +197,15 @@ class Kernels(KernelImpl):
 
     def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
         if not dsa.indexer_supported(call.layout.scales_per_key):
-            return super().indexer_logits(call)
+            return TORCH.indexer_logits(call)
         return dsa.indexer_logits(call, fp8_mode=self.fp8_mode)
 
     def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
         if not dsa.indexer_supported(call.layout.scales_per_key):
-            return super().indexer_topk(call)
+            return TORCH.indexer_topk(call)
         return dsa.indexer_topk(call, fp8_mode=self.fp8_mode)
 
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         if not dsa.sparse_supported(call.attn.layout.kv_lora_rank):
-            return super().sparse_absorbed_attention(call)
+            return TORCH.sparse_absorbed_attention(call)
         return dsa.sparse_attention(call, fp8_mode=self.fp8_mode, num_splits=self.sparse_splits)

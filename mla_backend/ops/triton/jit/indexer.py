@@ -19,7 +19,7 @@ logits, fp32 throughout. ``FILL`` writes -inf to the columns ``pos(t) + 1 .. wid
 ``indexer_logits``); the top-k reads only visible columns and skips it.
 
 ``topk_select_kernel``: one program per query token selects, from the visible logits of its
-row, exactly the rule of :mod:`mla_backend.ops.indexer`: each logit's order-preserving 32-bit
+row, exactly the rule of :mod:`mla_backend.ops.torch.indexer`: each logit's order-preserving 32-bit
 key (``-0.0`` as ``+0.0``, NaN below -inf), ties to the lower position. A radix select finds the
 k-th largest key ``K`` in ``32 / RADIX_BITS`` histogram passes over the row (no sort); the last
 pass takes every key > ``K`` and the first ``k - #(> K)`` keys == ``K`` in position order, and
@@ -186,7 +186,7 @@ def indexer_logits_kernel(
 
 @triton.jit
 def _order_key(x):
-    """float32 logits -> uint32 keys in the rank order of :mod:`mla_backend.ops.indexer`:
+    """float32 logits -> uint32 keys in the rank order of :mod:`mla_backend.ops.torch.indexer`:
     larger logit, larger key; ``-0.0`` and ``+0.0`` one key; NaN key 0, below -inf."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
     bits = x.to(tl.int32, bitcast=True)
