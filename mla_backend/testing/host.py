@@ -12,7 +12,6 @@ import functools
 import os
 import platform
 import subprocess
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,25 +62,16 @@ def cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from ..ops.native.isa import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags Linux reports (empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    from ..ops.native.isa import cpuinfo_field
+
+    return frozenset((cpuinfo_field("flags", "Features") or "").split())
 
 
 def torch_capability() -> str:

@@ -30,11 +30,8 @@ run raises ``ValueError`` naming it.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 from ...config import current
-from .isa import AARCH64_LEVELS, X86_LEVELS
+from .isa import AARCH64_LEVELS, X86_LEVELS, cpuinfo_field
 
 __all__ = [
     "ENGINES",
@@ -54,17 +51,9 @@ ENV_ENGINE = "MLA_BACKEND_NATIVE_ENGINE"
 _BF16_DOT_VENDORS = frozenset({"AuthenticAMD"})
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """``vendor_id`` of ``/proc/cpuinfo`` ('' where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    return ""
+    return cpuinfo_field("vendor_id") or ""
 
 
 def level_engines(isa: str) -> tuple[str, ...]:

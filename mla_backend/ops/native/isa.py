@@ -217,17 +217,30 @@ def sve_vector_bits() -> int | None:
 
 
 @functools.cache
-def _proc_cpu_flags() -> frozenset[str] | None:
-    """The flags line of ``/proc/cpuinfo`` (read once per process: every op call resolves its
-    level through :func:`cpu_features`)."""
+def _cpuinfo_text() -> str | None:
+    """``/proc/cpuinfo`` (read once per process: every op call resolves its level through
+    :func:`cpu_features`); None where there is none."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
+
+
+def cpuinfo_field(*keys: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line whose key is one of ``keys`` (``flags``,
+    ``Features``, ``vendor_id``, ``model name``, ...), stripped; None where there is none: the
+    one reader of that file (the ISA levels, the engine rule, the test host's report)."""
+    for line in (_cpuinfo_text() or "").splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in keys:
+            return value.strip()
     return None
+
+
+def _proc_cpu_flags() -> frozenset[str] | None:
+    """The flags line of ``/proc/cpuinfo`` (None where there is none)."""
+    flags = cpuinfo_field("flags")
+    return None if flags is None else frozenset(flags.split())
 
 
 def cpu_features() -> frozenset[str]:
