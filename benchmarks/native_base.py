@@ -2,7 +2,9 @@
 tables in one process (``benchmarks/gemm.py``): ``csrc/head_gemm.cpp`` of that revision and the
 headers it includes, compiled with the level's flags (``build.level_flags``) under op and C++
 namespaces of their own (``torch.ops.mla_gemm_base_<level>``, ``mla_native_base_<level>``), so
-it loads beside the current build of the same level.
+it loads beside the current build of the same level. A revision that registers its ops in
+``csrc/api.cpp`` (not in ``head_gemm.cpp``) gets a one-op registration of ``head_gemm`` of its
+own (:data:`_HEAD_GEMM_ONLY`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from mla_backend.ops.native.isa import level_flags
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = "mla_backend/ops/native/csrc"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+#: the registration of the head GEMM alone, for a revision whose head_gemm.cpp registers nothing
+_HEAD_GEMM_ONLY = """#include <torch/library.h>
+#include "ops.h"
+TORCH_LIBRARY(MLA_OPS_NS, m) { m.def("native_head_gemm", &mla_native::head_gemm); }
+"""
 
 
 def _sources(ref: str) -> dict[str, str]:
@@ -60,9 +67,13 @@ def load_base_head_gemm(
         h.update(name.encode() + texts[name].encode())
     src = Path(tempfile.gettempdir()) / f"mla_gemm_base_{os.getuid()}" / h.hexdigest()[:12]
     src.mkdir(parents=True, exist_ok=True)
+    sources = ["head_gemm.cpp"]
+    if "TORCH_LIBRARY" not in texts["head_gemm.cpp"]:
+        texts["head_gemm_api.cpp"] = _HEAD_GEMM_ONLY
+        sources.append("head_gemm_api.cpp")
     for name, text in texts.items():
         (src / name).write_text(text)
-    cpp_extension.load(name=f"{ns}_{h.hexdigest()[:12]}", sources=[str(src / "head_gemm.cpp")],
+    cpp_extension.load(name=f"{ns}_{h.hexdigest()[:12]}", sources=[str(src / s) for s in sources],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        extra_include_paths=[str(src)], is_python_module=False)  # fmt: skip
     op = getattr(torch.ops, ns).native_head_gemm

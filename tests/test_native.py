@@ -17,7 +17,7 @@ import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops import LatentWrite, native
 from mla_backend.ops import torch as torch_ops
-from mla_backend.ops.native.engine import ENGINES, level_engines
+from mla_backend.ops.native.engine import ENGINES, attention_engine, engine_code, level_engines
 from mla_backend.testing.cases import make_case
 from mla_backend.testing.native_checks import ATTENTION_DTYPES
 from mla_backend.testing.native_checks import check_absorbed as _check
@@ -32,6 +32,23 @@ DS = torch.uint8  # fp8_ds_mla rows
 SHAPES = [(16, 4), (40, 6), (32, 0), (96, 32), (200, 32), (33, 0), (512, 64)]
 # (q dtype, cache dtype)
 DTYPES = ATTENTION_DTYPES
+
+
+def _absorbed(
+    q_lat, q_pe, kv_cache, block_table, cu, kv_lens, scale, kv_scale=None, splits=0,
+    max_page_id=-1, *, isa, engine=None,
+):  # fmt: skip
+    """The raw op ``native_absorbed_attention`` on the test's own tensors (malformed ones
+    included: the seam's wrapper takes a validated record), its engine named."""
+    code = engine_code(attention_engine(isa) if engine is None else engine)
+    return native.op_namespace(isa).native_absorbed_attention(
+        q_lat, q_pe, kv_cache, block_table, cu, kv_lens, scale, kv_scale, splits, max_page_id, code
+    )
+
+
+def _write_latent(*args, isa):
+    """The raw op ``native_write_latent`` on the test's own tensors."""
+    native.op_namespace(isa).native_write_latent(*args)
 
 
 def _dims(H: int, r: int, rope: int) -> mb.MLADims:
@@ -73,7 +90,7 @@ def _run_case(
     cu = torch.tensor(case.batch.cu_new, dtype=torch.int32)
     kvl = torch.tensor(case.batch.kv_lens, dtype=torch.int32)
     scale = scale if scale is not None else 1.0 / math.sqrt(r + rope)
-    o, lse = native.absorbed_attention(
+    o, lse = _absorbed(
         q_lat,
         q_pe,
         case.kv_cache,
@@ -270,7 +287,7 @@ def test_write_latent_bitwise(isa, cdt, src):
     scale = torch.tensor(0.02) if cdt == FP8 else None
     cache = torch.full((pages, ps, r + rope), 1.0).to(cdt)
     expect = cache.clone()
-    native.write_latent(cache, c, k, slots, scale, isa=isa)
+    _write_latent(cache, c, k, slots, scale, isa=isa)
     row = torch.cat([c, k], -1).float()
     if cdt == FP8:
         row = (row / scale).clamp(-448, 448).to(FP8)
@@ -292,7 +309,7 @@ def test_write_latent_all_fp8_bytes(isa):
     c = vals[: T * 4].view(T, 4)
     cache = torch.zeros(T, 1, 4, dtype=FP8)
     scale = torch.tensor(1.0)
-    native.write_latent(
+    _write_latent(
         cache, c, torch.zeros(T, 0), torch.arange(T, dtype=torch.int64), scale, isa=isa
     )
     ref = c.clamp(-448, 448).to(FP8)
@@ -318,7 +335,7 @@ def test_write_ds_mla_bitwise(isa, src, r, rope):
     lay = CacheLayout.ds_mla(r, rope, src)
     base = torch.randint(0, 256, (pages, ps, lay.width), generator=g, dtype=torch.uint8)
     mine, ref = base.clone(), base.clone()
-    native.write_latent(mine, c, k, slots.to(torch.int32), None, isa=isa)
+    _write_latent(mine, c, k, slots.to(torch.int32), None, isa=isa)
     torch_ops.Kernels().write_latent(LatentWrite(ref, lay, c, k, slots, None))
     assert torch.equal(mine, ref)
     keep = slots >= 0  # and the writer's rows are CacheLayout.pack's
@@ -353,31 +370,31 @@ def test_bad_inputs_raise_clear_errors(isa):
     bt = case.batch.block_table.to(torch.int32)
     cu, kvl = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="q_lat dtype Double is not supported"):
-        native.absorbed_attention(q.double(), qp.double(), case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
+        _absorbed(q.double(), qp.double(), case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
     with pytest.raises(RuntimeError, match="r \\+ rope"):
-        native.absorbed_attention(q[..., :8], qp, case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
+        _absorbed(q[..., :8], qp, case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
     bad = bt.clone()
     bad[0, 0] = 999
     with pytest.raises(RuntimeError, match="999"):
-        native.absorbed_attention(q, qp, case.kv_cache, bad, cu, kvl, 0.1, isa=isa)
+        _absorbed(q, qp, case.kv_cache, bad, cu, kvl, 0.1, isa=isa)
     with pytest.raises(RuntimeError, match="kv_lens\\[0\\] = 0"):
-        native.absorbed_attention(
+        _absorbed(
             q, qp, case.kv_cache, bt, cu, torch.zeros(1, dtype=torch.int32), 0.1, isa=isa
         )
     with pytest.raises(RuntimeError, match="num_kv_splits=-1"):
-        native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, -1, isa=isa)
+        _absorbed(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, -1, isa=isa)
     ds = torch.zeros(8, 4, CacheLayout.ds_mla(16, 4, torch.float32).width - 1, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="fp8_ds_mla kv_cache last dim"):
-        native.absorbed_attention(q, qp, ds, bt, cu, kvl, 0.1, isa=isa)
+        _absorbed(q, qp, ds, bt, cu, kvl, 0.1, isa=isa)
     with pytest.raises(RuntimeError, match="fp8_ds_mla kv_cache last dim"):
-        native.write_latent(ds, q[0], qp[0], torch.arange(4), isa=isa)
+        _write_latent(ds, q[0], qp[0], torch.arange(4), isa=isa)
     # the plan's max_page_id is checked in O(1) against the cache's page count
     n_pages = case.kv_cache.shape[0]
     with pytest.raises(RuntimeError, match=f"page id {n_pages} \\(max_page_id\\)"):
-        native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, 0, n_pages, isa=isa)
-    o1, _ = native.absorbed_attention(q, qp, case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
+        _absorbed(q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, 0, n_pages, isa=isa)
+    o1, _ = _absorbed(q, qp, case.kv_cache, bt, cu, kvl, 0.1, isa=isa)
     used = int(bt[0, : -(-6 // case.kv_cache.shape[1])].max())
-    o2, _ = native.absorbed_attention(
+    o2, _ = _absorbed(
         q, qp, case.kv_cache, bt, cu, kvl, 0.1, None, 0, used, isa=isa
     )
     assert torch.equal(o1, o2)

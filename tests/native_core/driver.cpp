@@ -35,7 +35,7 @@
 #include "decompress.cpp"
 #include "head_gemm.cpp"
 #include "indexer.cpp"
-#include "mha_prefill.cpp"
+#include "mha.cpp"
 #include "sparse_attention.cpp"
 
 #include <cstdio>

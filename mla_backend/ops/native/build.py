@@ -10,23 +10,28 @@ compiler / ninja, the platform is neither x86-64 nor aarch64, or the build fails
 :func:`available` returns False and one ``warnings.warn`` per level and process says why;
 importing never raises.
 
-The ops ``torch.ops.mla_backend_<level>.native_absorbed_attention`` / ``native_write_latent`` /
-``native_fp8_decode`` / ``native_simd_info`` (``csrc/mla_cpu.cpp``), ``native_pack_heads`` /
-``native_head_gemm`` / ``native_head_gemm_out`` (``csrc/head_gemm.cpp``: the per-head absorption
-GEMMs), ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the normal path's MHA) and
-``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` / ``c_kv · W_UV``), the
-last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
+The ops, all registered with their schemas in one file, ``csrc/api.cpp``, and each defined in
+the file of its job (declared in ``csrc/ops.h``): ``torch.ops.mla_backend_<level>.``
+``native_absorbed_attention`` / ``native_fp8_decode`` / ``native_simd_info``
+(``csrc/absorbed_attention.cpp``), ``native_write_latent`` (``csrc/cache_write.cpp``),
+``native_pack_heads`` / ``native_head_gemm`` / ``native_head_gemm_out`` (``csrc/head_gemm.cpp``:
+the per-head absorption GEMMs), ``native_attention_with_lse`` (``csrc/mha.cpp``: the normal
+path's MHA) and ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` /
+``c_kv · W_UV``), the last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
 ``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the same GEMM
 engine) and ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
-attention's engines) have fake (meta) implementations, so ``torch.compile`` /
+attention's engines). Each op that takes a tensor has a fake (meta) function (:data:`FAKES`),
+checked against the loaded build's schemas (:func:`schema_mismatches`), so ``torch.compile`` /
 ``FakeTensorMode`` treat them as opaque.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +41,16 @@ from ...config import current
 from . import isa as _isa
 from .isa import arch_levels, level_flags, sve_vector_bits
 
-__all__ = ["HEAD_GEMM_COLS", "available", "op_namespace", "require", "unavailable_reason"]
+__all__ = [
+    "FAKES", "HEAD_GEMM_COLS", "available", "op_namespace", "registered_schemas", "require",
+    "schema_mismatches", "unavailable_reason",
+]  # fmt: skip
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
+#: the torch layer, one file per op (declared in ``ops.h``), and ``api.cpp``, which registers them
 _SOURCES = (
-    "mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp", "indexer.cpp",
-    "sparse_attention.cpp",
+    "api.cpp", "absorbed_attention.cpp", "cache_write.cpp", "head_gemm.cpp", "mha.cpp",
+    "decompress.cpp", "indexer.cpp", "sparse_attention.cpp",
 )  # fmt: skip
 _HEADERS = (
     "isa.h",
@@ -55,6 +64,7 @@ _HEADERS = (
     "amx_attention.h",
     "absorbed_attention.h",
     "cache_writer.h",
+    "ops.h",
 )
 _EXT_NAME = "mla_backend_native"
 
@@ -118,69 +128,141 @@ def _build(isa: str) -> None:
     _register_fakes(f"mla_backend_{isa}")
 
 
+# ---- the ops' fake (meta) functions ---------------------------------------------------------
+# One per op of ``csrc/api.cpp`` that takes a tensor, its parameters named, ordered and
+# defaulted as the op's schema (:func:`schema_mismatches` checks that when a build loads), so
+# ``torch.compile`` / ``FakeTensorMode`` treat the ops as opaque.
+def _absorbed_attention(
+    q_lat, q_pe, kv_cache, block_table, cu_seqlens_q, kv_lens, softmax_scale, kv_scale=None,
+    num_kv_splits=0, max_page_id=-1, engine=-1,
+):  # fmt: skip
+    T, H, r = q_lat.shape
+    return q_lat.new_empty((T, H, r)), q_lat.new_empty((T, H), dtype=torch.float32)
+
+
+def _fp8_decode(bytes, bf16):  # (``bytes``: the schema's name)
+    return bytes.new_empty((bytes.numel(),), dtype=torch.float32)
+
+
+def _write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale=None):
+    return None
+
+
+def _pack_heads(w):
+    H, K, N = w.shape
+    return w.new_empty((H, -(-N // HEAD_GEMM_COLS), -(-K // 2), HEAD_GEMM_COLS, 2))
+
+
+def _head_gemm(x, packed, n):
+    return x.new_empty((x.shape[0], x.shape[1], n))
+
+
+def _head_gemm_out(x, packed, y):
+    return None
+
+
+def _attention_with_lse(q, k, v, causal, scale):
+    H, Lq, _ = q.shape
+    return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
+
+
+def _decompress(c_kv, k_pe, W_UK, W_UV):
+    L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
+    return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
+
+
+def _indexer_topk(
+    q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, quant_block_size, topk,
+    max_page_id, out,
+):  # fmt: skip
+    return None
+
+
+def _indexer_logits(
+    q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, quant_block_size, width,
+    max_page_id,
+):  # fmt: skip
+    return weights.new_empty((q_I.shape[0], width))
+
+
+def _sparse_attention(
+    q_lat, q_pe, kv_cache, block_table, cu_seqlens_q, kv_lens, indices, token_req,
+    softmax_scale, kv_scale, max_page_id, engine, out, lse,
+):  # fmt: skip
+    return None
+
+
+#: op name -> its fake (every op of ``csrc/api.cpp`` with a tensor argument)
+FAKES: dict[str, Callable[..., Any]] = {
+    "native_absorbed_attention": _absorbed_attention,
+    "native_fp8_decode": _fp8_decode,
+    "native_write_latent": _write_latent,
+    "native_pack_heads": _pack_heads,
+    "native_head_gemm": _head_gemm,
+    "native_head_gemm_out": _head_gemm_out,
+    "native_attention_with_lse": _attention_with_lse,
+    "native_decompress": _decompress,
+    "native_indexer_topk": _indexer_topk,
+    "native_indexer_logits": _indexer_logits,
+    "native_sparse_attention": _sparse_attention,
+}
+
+
+def registered_schemas(ns: str) -> dict[str, torch.FunctionSchema]:
+    """The schemas of the ops registered under ``torch.ops.<ns>`` (a loaded build), by op
+    name."""
+    names = sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith(f"{ns}::")})  # fmt: skip
+    return {n: getattr(getattr(torch.ops, ns), n).default._schema for n in names}
+
+
+def fake_mismatch(schema: torch.FunctionSchema, fake: Callable[..., Any]) -> str | None:
+    """How ``fake``'s parameters differ from ``schema``'s arguments (names, order, which have a
+    default and its value), or None when they agree."""
+    params = list(inspect.signature(fake).parameters.values())
+    want = [a.name for a in schema.arguments]
+    got = [p.name for p in params]
+    if got != want:
+        return f"parameters ({', '.join(got)}) != the schema's ({', '.join(want)})"
+    for a, p in zip(schema.arguments, params, strict=True):
+        has = p.default is not inspect.Parameter.empty
+        if has != a.has_default_value() or (has and p.default != a.default_value):
+            schema_default = a.default_value if a.has_default_value() else "none"
+            fake_default = p.default if has else "none"
+            return f"{a.name}: default {fake_default!r} != the schema's {schema_default!r}"
+    return None
+
+
+def schema_mismatches(
+    schemas: dict[str, torch.FunctionSchema], fakes: dict[str, Callable[..., Any]] = FAKES
+) -> list[str]:
+    """Every disagreement between ``schemas`` (op name -> schema) and ``fakes``: an op with a
+    tensor argument and no fake, a fake of no op, a fake whose parameters are not the schema's
+    arguments."""
+    problems = []
+    for name, schema in schemas.items():
+        takes_tensor = any("Tensor" in str(a.type) for a in schema.arguments)
+        if name not in fakes:
+            if takes_tensor:
+                problems.append(f"{name}: no fake function (add it to build.FAKES)")
+            continue
+        why = fake_mismatch(schema, fakes[name])
+        if why:
+            problems.append(f"{name}: its fake's {why}")
+    problems += [f"{name}: a fake of no registered op" for name in fakes if name not in schemas]
+    return problems
+
+
 def _register_fakes(ns: str) -> None:
-    @torch.library.register_fake(f"{ns}::native_absorbed_attention")
-    def _(
-        q_lat,
-        q_pe,
-        kv_cache,
-        block_table,
-        cu_seqlens_q,
-        kv_lens,
-        softmax_scale,
-        kv_scale=None,
-        num_kv_splits=0,
-        max_page_id=-1,
-        engine=-1,
-    ):
-        T, H, r = q_lat.shape
-        return q_lat.new_empty((T, H, r)), q_lat.new_empty((T, H), dtype=torch.float32)
-
-    @torch.library.register_fake(f"{ns}::native_write_latent")
-    def _(kv_cache, c_kv, k_pe, slot_mapping, kv_scale=None):
-        return None
-
-    @torch.library.register_fake(f"{ns}::native_pack_heads")
-    def _(w):
-        H, K, N = w.shape
-        return w.new_empty((H, -(-N // HEAD_GEMM_COLS), -(-K // 2), HEAD_GEMM_COLS, 2))
-
-    @torch.library.register_fake(f"{ns}::native_head_gemm")
-    def _(x, packed, n):
-        return x.new_empty((x.shape[0], x.shape[1], n))
-
-    @torch.library.register_fake(f"{ns}::native_head_gemm_out")
-    def _(x, packed, y):
-        return None
-
-    @torch.library.register_fake(f"{ns}::native_attention_with_lse")
-    def _(q, k, v, causal, scale):
-        H, Lq, _ = q.shape
-        return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
-
-    @torch.library.register_fake(f"{ns}::native_decompress")
-    def _(c_kv, k_pe, W_UK, W_UV):
-        L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
-        return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
-
-    @torch.library.register_fake(f"{ns}::native_indexer_topk")
-    def _(q_I, weights, index_cache, block_table, cu, kv_lens, quant_block_size, topk,
-          max_page_id, out):  # fmt: skip
-        return None
-
-    @torch.library.register_fake(f"{ns}::native_indexer_logits")
-    def _(q_I, weights, index_cache, block_table, cu, kv_lens, quant_block_size, width,
-          max_page_id):  # fmt: skip
-        return weights.new_empty((q_I.shape[0], width))
-
-    @torch.library.register_fake(f"{ns}::native_sparse_attention")
-    def _(q_lat, q_pe, kv_cache, block_table, cu, kv_lens, indices, token_req, softmax_scale,
-          kv_scale, max_page_id, engine, out, lse):  # fmt: skip
-        return None
-
-    @torch.library.register_fake(f"{ns}::native_fp8_decode")
-    def _(data, bf16):
-        return data.new_empty((data.numel(),), dtype=torch.float32)
+    """Register :data:`FAKES` for a loaded build (RuntimeError if one disagrees with the
+    build's schemas: the build is then unavailable, saying why)."""
+    problems = schema_mismatches(registered_schemas(ns))
+    if problems:
+        raise RuntimeError(
+            "the native ops' fakes disagree with csrc/api.cpp: " + "; ".join(problems)
+        )
+    for name, fake in FAKES.items():
+        torch.library.register_fake(f"{ns}::{name}")(fake)
 
 
 def _state(isa: str) -> dict[str, Any]:

@@ -3,10 +3,10 @@ and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (co
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
 :meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
-ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the base class's torch defaults);
-the normal path's cache reads from the base class (:mod:`mla_backend.ops.paged`); DSA's
-indexer (logits, top-k) and sparse attention from their C++ kernels, the index-key write from the
-base class's torch default."""
+ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the torch implementation's); DSA's
+indexer (logits, top-k) and sparse attention from their C++ kernels. Delegated explicitly to the
+torch implementation (:func:`mla_backend.ops.torch.torch_default`): the normal path's cache
+reads (``gather_latent``) and the index-key write."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import torch
 from ...cost import DeviceProfile, stored_fit
 from ...decision import Decision
 from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
+from ..torch import DEFAULT as TORCH
+from ..torch import torch_default
 from . import ops as native
 from .engine import select_engine
 from .isa import ISA_LEVELS, select_isa
@@ -51,6 +53,9 @@ class Kernels(KernelImpl):
     ``num_kv_splits`` (0 = the kernel chooses)."""
 
     name = "native"
+
+    gather_latent = torch_default("gather_latent")
+    write_index_keys = torch_default("write_index_keys")
 
     def __init__(self, isa: str | None = None, *, num_kv_splits: int = 0) -> None:
         if num_kv_splits < 0:
@@ -164,13 +169,13 @@ class Kernels(KernelImpl):
         self, q_nope: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         y = self._head_gemm(q_nope, weights.W_UK, weights.W_UK_packed, out)
-        return y if y is not None else super().absorb_q(q_nope, weights, out)
+        return y if y is not None else TORCH.absorb_q(q_nope, weights, out)
 
     def apply_W_UV(
         self, o_lat: torch.Tensor, weights: AbsorbWeights, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         y = self._head_gemm(o_lat, weights.W_UV, weights.W_UV_packed, out)
-        return y if y is not None else super().apply_W_UV(o_lat, weights, out)
+        return y if y is not None else TORCH.apply_W_UV(o_lat, weights, out)
 
     def attention_with_lse(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -178,7 +183,7 @@ class Kernels(KernelImpl):
         bf16 = q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu"
         if bf16 and not self._torch_bf16_is_faster(q.shape[1] * q.shape[0]):
             return native.attention_with_lse(q, k, v, causal, scale, isa=self.level)
-        return super().attention_with_lse(q, k, v, causal, scale)
+        return TORCH.attention_with_lse(q, k, v, causal, scale)
 
     def decompress(
         self, c_kv: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor
@@ -187,35 +192,18 @@ class Kernels(KernelImpl):
         bf16 = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts)
         if bf16 and not self._torch_bf16_is_faster(c_kv.shape[0]):
             return native.decompress(c_kv, k_pe, W_UK, W_UV, isa=self.level)
-        return super().decompress(c_kv, k_pe, W_UK, W_UV)
+        return TORCH.decompress(c_kv, k_pe, W_UK, W_UV)
 
     def work_shape(self, step: StepShape) -> tuple[int, int]:
         return max(1, max(step.new_lens, default=1)), self.num_kv_splits
 
     def write_latent(self, w: LatentWrite) -> None:
-        native.write_latent(
-            w.kv_cache, w.c_kv, w.k_pe, w.slot_mapping, w.kv_scale, isa=self.level
-        )
+        native.write_latent(w, isa=self.level)
 
     def absorbed_attention(self, call: AbsorbedCall) -> tuple[torch.Tensor, torch.Tensor]:
         # page ids were bounds-checked at the entry point against part.max_page_id (O(1)); the
         # op checks it once more against the cache (O(1)) instead of scanning the block table
-        part = call.part
-        o, lse = native.absorbed_attention(
-            call.q_lat,
-            call.q_pe,
-            call.kv_cache,
-            part.block_table,
-            part.cu_new_t,
-            part.kv_lens_t,
-            call.softmax_scale,
-            call.kv_scale,
-            part.work.num_kv_splits,
-            part.max_page_id,
-            isa=self.level,
-            engine=self.engine,
-        )
-        return call.deliver(o, lse)
+        return call.deliver(*native.absorbed_attention(call, isa=self.level, engine=self.engine))
 
     @staticmethod
     def _native_index(layout: IndexCacheLayout) -> bool:
@@ -226,33 +214,17 @@ class Kernels(KernelImpl):
         return layout.quant_block_size % 2 == 0 and layout.scales_per_key <= 64
 
     def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
-        c = call
-        if not self._native_index(c.layout):
-            return super().indexer_logits(c)
-        res = native.indexer_logits(
-            c.q_I, c.weights, c.index_cache, c.part.block_table, c.part.cu_new_t,
-            c.part.kv_lens_t, c.layout.quant_block_size, c.sparse.max_kv_len,
-            c.part.max_page_id, isa=self.level,
-        )  # fmt: skip
-        return res if c.out is None else c.out.copy_(res)
+        if not self._native_index(call.layout):
+            return TORCH.indexer_logits(call)
+        return native.indexer_logits(call, isa=self.level)
 
     def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
-        c = call
-        if not self._native_index(c.layout):
-            return super().indexer_topk(c)
-        return native.indexer_topk(
-            c.q_I, c.weights, c.index_cache, c.part.block_table, c.part.cu_new_t,
-            c.part.kv_lens_t, c.layout.quant_block_size, c.topk, c.part.max_page_id, c.out,
-            isa=self.level,
-        )  # fmt: skip
+        if not self._native_index(call.layout):
+            return TORCH.indexer_topk(call)
+        return native.indexer_topk(call, isa=self.level)
 
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         # page ids were bounds-checked at the entry point (part.max_page_id); the op checks
         # every index against its request's kv length before reading the cache
-        a = call.attn
-        o, lse = native.sparse_attention(
-            a.q_lat, a.q_pe, a.kv_cache, a.part.block_table, a.part.cu_new_t, a.part.kv_lens_t,
-            call.indices, call.sparse.token_req_t, a.softmax_scale, a.kv_scale,
-            a.part.max_page_id, a.out, a.lse, isa=self.level, engine=self.engine,
-        )  # fmt: skip
-        return a.deliver(o, lse)
+        o, lse = native.sparse_attention(call, isa=self.level, engine=self.engine)
+        return call.attn.deliver(o, lse)

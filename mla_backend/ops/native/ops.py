@@ -1,16 +1,24 @@
-"""Thin Python wrappers of the native ``torch.library`` ops (registered by
-:mod:`mla_backend.ops.native.build`): shapes and dtypes in, the op's outputs back. The device seam's
-native implementation (:mod:`mla_backend.ops.native.kernels`) calls these.
+"""Thin Python wrappers of the native ``torch.library`` ops (their schemas in ``csrc/api.cpp``,
+their fakes in :mod:`mla_backend.ops.native.build`): the seam's record in (:class:`LatentWrite`,
+:class:`AbsorbedCall`, :class:`IndexerCall`, :class:`SparseCall`: the op's arguments are its
+fields, named once, here), the op's outputs back; the normal path's and the absorption's ops take
+the seam method's tensors. The device seam's native implementation
+(:mod:`mla_backend.ops.native.kernels`) calls these.
 
 Every wrapper takes ``isa``: the ISA level whose build runs the op (``torch.ops.mla_backend_<isa>``;
 None = :func:`mla_backend.ops.native.build.selected_isa`), so several levels serve one process."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .build import _state, op_namespace, require
 from .engine import attention_engine, engine_code
+
+if TYPE_CHECKING:
+    from ..base import AbsorbedCall, IndexerCall, LatentWrite, SparseCall
 
 
 def simd_level(isa: str | None = None) -> str:
@@ -22,77 +30,51 @@ def simd_level(isa: str | None = None) -> str:
 
 
 def absorbed_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None = None,
-    num_kv_splits: int = 0,
-    max_page_id: int = -1,
-    *,
-    isa: str | None = None,
-    engine: str | None = None,
+    call: AbsorbedCall, *, isa: str | None = None, engine: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA attention (MQA over the paged latent cache), decode or extend.
+    """Absorbed MLA attention (MQA over the paged latent cache), decode or extend: op
+    ``native_absorbed_attention`` on the record's fields (the schema in ``csrc/api.cpp``).
 
-    Args:
+    What the op takes from ``call``:
         q_lat: [T, H, r] bf16/fp16/fp32 (last dim contiguous; may be a strided view).
         q_pe: [T, H, rope], q_lat's dtype (rope may be 0).
         kv_cache: [num_pages, page_size, r + rope], q's dtype or float8_e4m3fn; row =
             [c_kv ; k_pe]; value = its first r columns. Or uint8 [num_pages, page_size, W]:
             ``fp8_ds_mla`` rows, W = ``CacheLayout.ds_mla(r, rope, q_lat.dtype).width`` (656
             at r 512, rope 64, bf16); value = the dequantized c_kv.
-        block_table: [B, max_pages] int32, physical page of each logical page.
-        cu_seqlens_q: [B + 1] int32; request i owns query rows cu[i]:cu[i+1] (may be empty).
-        kv_lens: [B] int32, cached tokens of request i (prefix + new), >= its new tokens.
-        softmax_scale: float > 0.
-        kv_scale: float32 0-d tensor; cached value = stored * kv_scale (None = 1.0; ignored for
-            ``fp8_ds_mla``, whose scales are in the rows).
-        num_kv_splits: kv splits per request (0 = the kernel chooses).
-        max_page_id: the largest page id any request uses (the plan's; checked in O(1)
-            against the cache's page count), or -1: the op checks every used block_table entry.
-        isa: the ISA level that runs it (None: the selected level).
-        engine: the compute engine (``ENGINES`` of :mod:`mla_backend.ops.native.engine`;
-            None: its rule's pick for the level and CPU, ``attention_engine``).
+        part.block_table: [B, max_pages] int32, physical page of each logical page;
+            part.cu_new_t: [B + 1] int32 (request i owns query rows cu[i]:cu[i+1], may be
+            empty); part.kv_lens_t: [B] int32, cached tokens of request i (prefix + new), >= its
+            new tokens; part.work.num_kv_splits: kv splits per request (0 = the kernel
+            chooses); part.max_page_id: the largest page id any request uses (checked in O(1)
+            against the cache's page count; -1: the op checks every used block_table entry).
+        softmax_scale: float > 0; kv_scale: float32 0-d tensor, cached value = stored *
+            kv_scale (None = 1.0; ignored for ``fp8_ds_mla``, whose scales are in the rows).
+    isa: the ISA level that runs it (None: the selected level); engine: the compute engine
+    (``ENGINES`` of :mod:`mla_backend.ops.native.engine`; None: its rule's pick for the level
+    and CPU, ``attention_engine``).
 
     Returns:
-        o_lat: [T, H, r] in q's dtype; lse: [T, H] float32 (natural log).
+        o_lat: [T, H, r] in q's dtype; lse: [T, H] float32 (natural log), new tensors.
 
     Query row j of request i sits at position kv_len_i - n_i + j and attends causally to kv
     positions 0 .. kv_len_i - n_i + j. Scores and softmax are fp32.
     """
     level = require(isa)
     code = engine_code(attention_engine(level) if engine is None else engine)
+    part = call.part
     return op_namespace(level).native_absorbed_attention(
-        q_lat,
-        q_pe,
-        kv_cache,
-        block_table,
-        cu_seqlens_q,
-        kv_lens,
-        float(softmax_scale),
-        kv_scale,
-        int(num_kv_splits),
-        int(max_page_id),
-        code,
-    )
+        call.q_lat, call.q_pe, call.kv_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
+        float(call.softmax_scale), call.kv_scale, int(part.work.num_kv_splits),
+        int(part.max_page_id), code,
+    )  # fmt: skip
 
 
-def write_latent(
-    kv_cache: torch.Tensor,
-    c_kv: torch.Tensor,
-    k_pe: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scale: torch.Tensor | None = None,
-    *,
-    isa: str | None = None,
-) -> None:
-    """Write ``[c_kv ; k_pe]`` into the paged cache, in place.
+def write_latent(w: LatentWrite, *, isa: str | None = None) -> None:
+    """Write ``[c_kv ; k_pe]`` into the paged cache, in place: op ``native_write_latent`` on the
+    record's fields.
 
-    Args:
+    What the op takes from ``w``:
         kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, or uint8
             [num_pages, page_size, ``CacheLayout.ds_mla(r, rope, c_kv.dtype).width``]
             (``fp8_ds_mla``: per tile of 128 values scale = max(amax / 448, FLT_MIN), e4m3 of
@@ -103,8 +85,9 @@ def write_latent(
             slot % page_size; slot < 0 is padding (skipped).
         kv_scale: float32 0-d tensor (fp8 cache only): stored = clamp(value / kv_scale, -448,
             448) rounded to nearest-even e4m3, bit-identical to torch's ``.to(float8_e4m3fn)``.
+    (The cache's layout is read from its dtype and width; ``w.layout`` is not passed.)
     """
-    op_namespace(isa).native_write_latent(kv_cache, c_kv, k_pe, slot_mapping, kv_scale)
+    op_namespace(isa).native_write_latent(w.kv_cache, w.c_kv, w.k_pe, w.slot_mapping, w.kv_scale)
 
 
 def pack_heads(w: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
@@ -193,95 +176,66 @@ def decompress(
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
-def indexer_topk(
-    q_I: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    quant_block_size: int,
-    topk: int,
-    max_page_id: int = -1,
-    out: torch.Tensor | None = None,
-    *,
-    isa: str | None = None,
-) -> torch.Tensor:
-    """The DSA indexer's causal top-k per query token (``csrc/indexer.cpp``).
+def indexer_topk(call: IndexerCall, *, isa: str | None = None) -> torch.Tensor:
+    """The DSA indexer's causal top-k per query token (``csrc/indexer.cpp``): op
+    ``native_indexer_topk`` on the record's fields, into ``call.out`` when given.
 
-    Args:
+    What the op takes from ``call``:
         q_I: [T, Hi, Di] bf16 / fp16 / fp32 / float8_e4m3fn, last dim contiguous.
         weights: [T, Hi] float32 (every scale folded in).
         index_cache: uint8 [pages, page_size, Di + 4 Di / quant_block_size] (vLLM's fp8 index
             cache) or bf16 / fp16 / fp32 [pages, page_size, Di]; pages contiguous.
-        block_table / cu_seqlens_q / kv_lens: as :func:`absorbed_attention`; query row j of
-            request i sits at position kv_len - n + j and sees positions <= it.
-        quant_block_size: values per scale (fp8 cache).
+        part's block_table / cu_new_t / kv_lens_t / max_page_id: as :func:`absorbed_attention`;
+            query row j of request i sits at position kv_len - n + j and sees positions <= it.
+        layout.quant_block_size: values per scale (fp8 cache).
         topk: positions per token; out: optional [T, topk] int32 contiguous.
     Returns:
         [T, topk] int32: the best ``min(topk, visible)`` positions (rank rule of
-        :mod:`mla_backend.ops.indexer`), ascending, then -1.
+        :mod:`mla_backend.ops.torch.indexer`), ascending, then -1.
     """
+    ns = op_namespace(isa)
+    out = call.out
     if out is None:
-        out = torch.empty(q_I.shape[0], topk, dtype=torch.int32)
-    op_namespace(isa).native_indexer_topk(
-        q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, int(quant_block_size),
-        int(topk), int(max_page_id), out,
+        out = torch.empty(call.q_I.shape[0], call.topk, dtype=torch.int32)
+    p = call.part
+    ns.native_indexer_topk(
+        call.q_I, call.weights, call.index_cache, p.block_table, p.cu_new_t, p.kv_lens_t,
+        int(call.layout.quant_block_size), int(call.topk), int(p.max_page_id), out,
     )  # fmt: skip
     return out
 
 
-def indexer_logits(
-    q_I: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    quant_block_size: int,
-    width: int,
-    max_page_id: int = -1,
-    *,
-    isa: str | None = None,
-) -> torch.Tensor:
-    """The DSA indexer's scores, float32 [T, width] (-inf where a token does not see the
-    position); arguments as :func:`indexer_topk`."""
-    return op_namespace(isa).native_indexer_logits(
-        q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, int(quant_block_size),
-        int(width), int(max_page_id),
+def indexer_logits(call: IndexerCall, *, isa: str | None = None) -> torch.Tensor:
+    """The DSA indexer's scores, float32 [T, call.sparse.max_kv_len] (-inf where a token does
+    not see the position; into ``call.out`` when given): op ``native_indexer_logits``,
+    arguments as :func:`indexer_topk`."""
+    p = call.part
+    res = op_namespace(isa).native_indexer_logits(
+        call.q_I, call.weights, call.index_cache, p.block_table, p.cu_new_t, p.kv_lens_t,
+        int(call.layout.quant_block_size), int(call.sparse.max_kv_len), int(p.max_page_id),
     )  # fmt: skip
+    return res if call.out is None else call.out.copy_(res)
 
 
 def sparse_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    indices: torch.Tensor,
-    token_req: torch.Tensor,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None = None,
-    max_page_id: int = -1,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    *,
-    isa: str | None = None,
-    engine: str | None = None,
+    call: SparseCall, *, isa: str | None = None, engine: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DSA's sparse absorbed attention (``csrc/sparse_attention.cpp``): q_lat [T, H, r], q_pe
-    [T, H, rope], the latent cache in any layout :func:`absorbed_attention` reads, indices
-    [T, k] int32 (logical positions of the token's request, -1 = none), token_req [T] int32
-    (each token's request) -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32). An index
-    >= its request's kv length (or < -1) raises RuntimeError naming it, before any read."""
+    """DSA's sparse absorbed attention (``csrc/sparse_attention.cpp``): op
+    ``native_sparse_attention`` on the record's fields: ``call.attn`` as
+    :func:`absorbed_attention` takes it (any latent layout), ``call.indices`` [T, k] int32
+    (logical positions of the token's request, -1 = none), ``call.sparse.token_req_t`` [T]
+    int32 (each token's request) -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32; into
+    ``call.attn.out`` / ``lse`` when given). An index >= its request's kv length (or < -1)
+    raises RuntimeError naming it, before any read."""
     level = require(isa)
-    T, H, r = q_lat.shape
-    o = out if out is not None else torch.empty(T, H, r, dtype=q_lat.dtype)
-    l = lse if lse is not None else torch.empty(T, H, dtype=torch.float32)
+    a, p = call.attn, call.attn.part
+    T, H, r = a.q_lat.shape
+    o = a.out if a.out is not None else torch.empty(T, H, r, dtype=a.q_lat.dtype)
+    lse = a.lse if a.lse is not None else torch.empty(T, H, dtype=torch.float32)
     code = engine_code(attention_engine(level) if engine is None else engine)
     op_namespace(level).native_sparse_attention(
-        q_lat, q_pe, kv_cache, block_table, cu_seqlens_q, kv_lens, indices, token_req,
-        float(softmax_scale), kv_scale, int(max_page_id), code, o, l,
+        a.q_lat, a.q_pe, a.kv_cache, p.block_table, p.cu_new_t, p.kv_lens_t, call.indices,
+        call.sparse.token_req_t, float(a.softmax_scale), a.kv_scale, int(p.max_page_id), code,
+        o, lse,
     )  # fmt: skip
-    return o, l
+    return o, lse

@@ -1,9 +1,9 @@
 // absorbed_attention.h: the torch-free absorbed attention (decode / extend / speculative verify
 // over a paged latent cache, every cache layout): the call's work items (request, block of query
 // rows, kv split), their run over the engines (f32_attention.h, bf16_attention.h,
-// amx_attention.h) and the merge of kv splits through their LSE. mla_cpu.cpp checks the tensors,
-// fills Params and registers the torch.library op; the core can be built and tested outside
-// torch (tests/native_core/driver.cpp).
+// amx_attention.h) and the merge of kv splits through their LSE. absorbed_attention.cpp checks
+// the tensors and fills Params (api.cpp registers the torch.library op); the core can be built
+// and tested outside torch (tests/native_core/driver.cpp).
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // cache_writer.h: the torch-free cache-row writer (write_latent): [c_kv ; k_pe] rows into the
 // paged latent cache in every layout (q's dtype, per-tensor e4m3, fp8_ds_mla bit for bit as
-// CacheLayout.pack). mla_cpu.cpp registers it as a torch.library op.
+// CacheLayout.pack). cache_write.cpp is its torch layer (api.cpp registers the op).
 #pragma once
 
 #include <algorithm>

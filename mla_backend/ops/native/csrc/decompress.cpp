@@ -17,12 +17,14 @@
 #ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #endif
 
 #include <vector>
 
 #include "gemm_core.h"
+#ifndef MLA_CORE_ONLY
+#include "ops.h"
+#endif
 
 namespace mla_native {
 namespace {
@@ -89,9 +91,10 @@ void copy_k_pe(const DecompressArgs& a, int64_t l0, int64_t l1) {
     for (int64_t h = 0; h < a.H; ++h)
       std::memcpy(a.k + (l * a.H + h) * dk + a.nope, a.k_pe + l * a.sp, a.rope * sizeof(uint16_t));
 }
+}  // namespace
 
 #ifndef MLA_CORE_ONLY
-// ---- torch layer ------------------------------------------------------------------------
+// ---- torch layer (declared in ops.h, registered in api.cpp) -----------------------------
 std::tuple<at::Tensor, at::Tensor> decompress(const at::Tensor& c_kv, const at::Tensor& k_pe,
                                               const at::Tensor& W_UK, const at::Tensor& W_UV) {
   TORCH_CHECK(c_kv.dim() == 2 && k_pe.dim() == 2 && W_UK.dim() == 3 && W_UV.dim() == 3,
@@ -130,15 +133,4 @@ std::tuple<at::Tensor, at::Tensor> decompress(const at::Tensor& c_kv, const at::
 }
 
 #endif  // MLA_CORE_ONLY
-}  // namespace
 }  // namespace mla_native
-
-#ifndef MLA_CORE_ONLY
-TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
-  m.def("native_decompress(Tensor c_kv, Tensor k_pe, Tensor W_UK, Tensor W_UV) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
-  m.impl("native_decompress", &mla_native::decompress);
-}
-#endif  // MLA_CORE_ONLY

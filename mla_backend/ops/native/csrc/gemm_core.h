@@ -1,6 +1,6 @@
 // Torch-free GEMM core of the native CPU kernels' GEMM-shaped work: the per-head absorption
 // GEMMs (head_gemm.cpp), the normal path's decompression (decompress.cpp) and its MHA
-// (mha_prefill.cpp). Plain C++ over raw pointers, strides and sizes; one source, compiled once
+// (mha.cpp). Plain C++ over raw pointers, strides and sizes; one source, compiled once
 // per ISA level (the build's MLA_HAS_* macros; derived from the compiler's own macros when the
 // build defines no MLA_ISA_* level).
 //

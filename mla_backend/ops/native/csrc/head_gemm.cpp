@@ -18,12 +18,14 @@
 #ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #endif
 
 #include <vector>
 
 #include "gemm_core.h"
+#ifndef MLA_CORE_ONLY
+#include "ops.h"
+#endif
 
 namespace mla_native {
 namespace {
@@ -69,11 +71,14 @@ void head_gemm_items(const uint16_t* x, int64_t sx0, int64_t sx1, int64_t T, int
     }
   }
 }
+}  // namespace
 
 #ifndef MLA_CORE_ONLY
-// ---- torch layer ------------------------------------------------------------------------
+// ---- torch layer (declared in ops.h, registered in api.cpp) -----------------------------
+namespace {
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* mbits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+}  // namespace
 
 at::Tensor pack_heads(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 3, "native_pack_heads: w must be [H, K, N], got ", w.sizes());
@@ -90,6 +95,7 @@ at::Tensor pack_heads(const at::Tensor& w) {
   return out;
 }
 
+namespace {
 // checks x / packed (and y when given: [T, H, N] bf16, last dim contiguous); returns N's blocks
 void check_head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.dim() == 3 && packed.dim() == 5,
@@ -120,6 +126,7 @@ void run_head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, at:
     head_gemm_items(xp, sx0, sx1, T, H, K, wp, N, yp, sy0, sy1, b, e);
   });
 }
+}  // namespace
 
 at::Tensor head_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   check_head_gemm(x, packed, N);
@@ -142,19 +149,4 @@ void head_gemm_out(const at::Tensor& x, const at::Tensor& packed, at::Tensor y) 
 }
 
 #endif  // MLA_CORE_ONLY
-}  // namespace
 }  // namespace mla_native
-
-#ifndef MLA_CORE_ONLY
-TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
-  m.def("native_pack_heads(Tensor w) -> Tensor");
-  m.def("native_head_gemm(Tensor x, Tensor packed, int n) -> Tensor");
-  m.def("native_head_gemm_out(Tensor x, Tensor packed, Tensor(a!) y) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
-  m.impl("native_pack_heads", &mla_native::pack_heads);
-  m.impl("native_head_gemm", &mla_native::head_gemm);
-  m.impl("native_head_gemm_out", &mla_native::head_gemm_out);
-}
-#endif  // MLA_CORE_ONLY

@@ -23,13 +23,13 @@
 // k by nth_element when full (an item whose tokens x keys fit buf_logits keeps its logits
 // instead and selects by a histogram of their top bits: the same keys, the same rule); a
 // token's splits are merged the same way; the selected positions
-// are written ascending, then -1 (mla_backend/ops/indexer.py holds the same rule in torch).
+// are written ascending, then -1 (mla_backend/ops/torch/indexer.py holds the same rule in torch).
 // Work items go to the caller's Parallel (at::parallel_for in the torch layer); every index is
 // checked before anything is read.
 #ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "ops.h"
 #endif
 
 #include <algorithm>
@@ -123,7 +123,7 @@ inline uint32_t logit_image(float f) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// The int64 rank key of a logit at a position (mla_backend/ops/indexer.py, rank_keys): the
+// The int64 rank key of a logit at a position (mla_backend/ops/torch/indexer.py, rank_keys): the
 // image less 2^31 in the high word, 2^32 - 1 - position in the low one.
 inline int64_t rank_key(float f, int64_t pos) {
   return (static_cast<int64_t>(logit_image(f)) - 2147483648LL) * 4294967296LL + (4294967295LL - pos);
@@ -487,17 +487,8 @@ inline std::string indexer(const IndexParams& P, const Bounds& b, const Parallel
 }  // namespace core
 
 #ifndef MLA_CORE_ONLY
-// ---- torch layer ------------------------------------------------------------------------
+// ---- torch layer (declared in ops.h, registered in api.cpp) -----------------------------
 namespace {
-
-core::Parallel indexer_parallel() {
-  core::Parallel par;
-  par.threads = std::max<int64_t>(1, at::get_num_threads());
-  par.for_range = [](int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
-    at::parallel_for(0, n, grain, fn);
-  };
-  return par;
-}
 
 at::Tensor i32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
@@ -576,7 +567,7 @@ void indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tens
               out.sizes());
   P.out = out.data_ptr<int32_t>();
   P.topk = topk;
-  const std::string err = core::indexer(P, b, indexer_parallel());
+  const std::string err = core::indexer(P, b, torch_parallel());
   TORCH_CHECK(err.empty(), err);
 }
 
@@ -591,27 +582,10 @@ at::Tensor indexer_logits(const at::Tensor& q, const at::Tensor& weights, const 
   P.logits = logits.data_ptr<float>();
   P.logits_s0 = width;
   P.width = width;
-  const std::string err = core::indexer(P, b, indexer_parallel());
+  const std::string err = core::indexer(P, b, torch_parallel());
   TORCH_CHECK(err.empty(), err);
   return logits;
 }
 #endif  // MLA_CORE_ONLY
 
 }  // namespace mla_native
-
-#ifndef MLA_CORE_ONLY
-TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
-  m.def(
-      "native_indexer_topk(Tensor q_I, Tensor weights, Tensor index_cache, Tensor block_table, "
-      "Tensor cu_seqlens_q, Tensor kv_lens, int quant_block_size, int topk, int max_page_id, "
-      "Tensor(a!) out) -> ()");
-  m.def(
-      "native_indexer_logits(Tensor q_I, Tensor weights, Tensor index_cache, Tensor block_table, "
-      "Tensor cu_seqlens_q, Tensor kv_lens, int quant_block_size, int width, int max_page_id) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
-  m.impl("native_indexer_topk", &mla_native::indexer_topk);
-  m.impl("native_indexer_logits", &mla_native::indexer_logits);
-}
-#endif  // MLA_CORE_ONLY

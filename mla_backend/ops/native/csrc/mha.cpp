@@ -17,12 +17,14 @@
 #ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #endif
 
 #include <vector>
 
 #include "gemm_core.h"
+#ifndef MLA_CORE_ONLY
+#include "ops.h"
+#endif
 
 namespace mla_native {
 namespace {
@@ -149,9 +151,10 @@ void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk,
     }
   }
 }
+}  // namespace
 
 #ifndef MLA_CORE_ONLY
-// ---- torch layer ------------------------------------------------------------------------
+// ---- torch layer (declared in ops.h, registered in api.cpp) -----------------------------
 std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, bool causal,
                                                       double scale) {
@@ -187,17 +190,4 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const
 }
 
 #endif  // MLA_CORE_ONLY
-}  // namespace
 }  // namespace mla_native
-
-#ifndef MLA_CORE_ONLY
-TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
-  m.def(
-      "native_attention_with_lse(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> "
-      "(Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
-  m.impl("native_attention_with_lse", &mla_native::attention_with_lse);
-}
-#endif  // MLA_CORE_ONLY

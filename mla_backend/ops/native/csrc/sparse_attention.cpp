@@ -17,7 +17,7 @@
 #ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "ops.h"
 #endif
 
 #include <algorithm>
@@ -225,12 +225,8 @@ inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex
 }  // namespace core
 
 #ifndef MLA_CORE_ONLY
-// ---- torch layer ------------------------------------------------------------------------
+// ---- torch layer (declared in ops.h, registered in api.cpp) -----------------------------
 namespace {
-
-core::DType sparse_dtype(at::ScalarType t) {
-  return t == at::kBFloat16 ? core::DType::kBF16 : (t == at::kHalf ? core::DType::kF16 : core::DType::kF32);
-}
 
 at::Tensor as_i32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
@@ -307,27 +303,11 @@ void sparse_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, con
   P.lse = lse.data_ptr<float>();
   core::SparseIndex S;
   S.idx = idx.data_ptr<int32_t>(), S.K = idx.size(1), S.idx_s0 = idx.stride(0), S.tok_req = treq.data_ptr<int32_t>();
-  core::Parallel par;
-  par.threads = std::max<int64_t>(1, at::get_num_threads());
-  par.for_range = [](int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
-    at::parallel_for(0, n, grain, fn);
-  };
   const core::Bounds bounds{T, bt.size(0), bt.size(1), max_page_id};
-  const std::string err = core::sparse_attention(P, bounds, S, sparse_dtype(qdt), ds ? core::kDs : (fp8 ? core::kFp8 : core::kPlain),
-                                                 par, static_cast<int>(engine));
+  const std::string err = core::sparse_attention(P, bounds, S, dtype_of(qdt), ds ? core::kDs : (fp8 ? core::kFp8 : core::kPlain),
+                                                 torch_parallel(), static_cast<int>(engine));
   TORCH_CHECK(err.empty(), err);  // a refused index: nothing was read
 }
 #endif  // MLA_CORE_ONLY
 
 }  // namespace mla_native
-
-#ifndef MLA_CORE_ONLY
-TORCH_LIBRARY_FRAGMENT(MLA_OPS_NS, m) {
-  m.def(
-      "native_sparse_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
-      "Tensor cu_seqlens_q, Tensor kv_lens, Tensor indices, Tensor token_req, float softmax_scale, "
-      "Tensor? kv_scale, int max_page_id, int engine, Tensor(a!) out, Tensor(b!) lse) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) { m.impl("native_sparse_attention", &mla_native::sparse_attention); }
-#endif  // MLA_CORE_ONLY
