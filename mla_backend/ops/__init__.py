@@ -1,12 +1,11 @@
-"""The device seam: the base class every kernel implementation extends and the typed records
-its calls take (:mod:`.base`), the registry implementations are registered in
-(:mod:`.registry`), and the implementations as sibling packages of one shape, each exporting a
-``Kernels`` class: :mod:`.torch` (plain PyTorch, the fallback), :mod:`.native` (C++ CPU
-kernels), :mod:`.triton` (GPU), :mod:`.flashinfer` (FlashInfer's MLA wrapper, composing
-Triton). Implementations share plain-torch helpers by composition, through the base class's
-defaults: :mod:`.paged` (page gathers, the normal path's dequantized cache reads), :mod:`.dense`
-(decompression), :mod:`.sdpa` (torch's fused MHA with LSE), :mod:`.indexer` / :mod:`.sparse`
-(DSA's lightning indexer and sparse attention).
+"""The device seam: the base class every kernel implementation extends, the seam methods each
+one declares (:data:`~.base.SEAM_METHODS`) and the typed records its calls take (:mod:`.base`),
+the registry implementations are registered in (:mod:`.registry`), and the implementations as
+sibling packages of one shape, each exporting a ``Kernels`` class: :mod:`.torch` (plain
+PyTorch, the fallback, one module per op), :mod:`.native` (C++ CPU kernels), :mod:`.triton`
+(GPU), :mod:`.flashinfer` (FlashInfer's MLA wrapper, composing Triton). No torch code of the
+ops lives here: an implementation that wants the torch implementation's code for a seam method
+says so by name (``m = torch_default("m")``, :func:`mla_backend.ops.torch.torch_default`).
 
 Which implementation runs on a device is decided once, above the implementations, by
 :func:`mla_backend.selection.resolve` (the registrations live there too).
@@ -17,10 +16,18 @@ Which implementation runs on a device is decided once, above the implementations
 
 from __future__ import annotations
 
-from .base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
+from .base import (
+    SEAM_METHODS,
+    AbsorbedCall,
+    IndexerCall,
+    IndexKeyWrite,
+    KernelImpl,
+    LatentWrite,
+    SparseCall,
+)  # fmt: skip
 from .registry import IMPLS
 
 __all__ = [
-    "IMPLS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
-    "SparseCall",
+    "IMPLS", "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl",
+    "LatentWrite", "SparseCall",
 ]  # fmt: skip

@@ -359,7 +359,7 @@ def test_fp8_bits_mode():
 
 
 def test_unsupported_shapes_run_the_torch_versions():
-    """A latent wider than 4 chunks of 128 goes to the base class's torch version."""
+    """A latent wider than 4 chunks of 128 goes to the torch implementation's (torch_default)."""
     assert not dsa.sparse_supported(520) and dsa.sparse_supported(512)
     assert not dsa.indexer_supported(17) and dsa.indexer_supported(16)
 

@@ -8,7 +8,7 @@
   under ``torch.ops.mla_backend_<level>`` (:func:`op_namespace`);
 - :mod:`.build_lock`: each build / load under an OS lock, so a killed build's stale torch
   ``lock`` file never blocks later loads (waits bounded by ``MLA_BACKEND_NATIVE_LOCK_TIMEOUT``);
-- :mod:`.ops`: thin wrappers of those ops (shapes and dtypes in, outputs back);
+- :mod:`.ops`: thin wrappers of those ops (the seam's records in, outputs back);
 - :mod:`.kernels`: :class:`Kernels`, the seam's implementation over them;
 - :mod:`.engine`: which compute engine runs the absorbed attention, per level and CPU;
 - ``csrc/``: the C++ sources: ``vec.h`` (the vector layer: fp32 vectors of the level's width,
@@ -19,12 +19,13 @@
   storage dtype rows), one header per engine (``f32_attention.h``, ``bf16_attention.h``,
   ``amx_attention.h``), ``absorbed_attention.h`` (work items, their run, the split merge),
   ``cache_writer.h`` (the cache-row writer); ``amx_tiles.h`` (AMX tile configuration and OS
-  permission), ``gemm_core.h`` (the torch-free GEMM engine); ``mla_cpu.cpp`` (the torch layer
-  of the attention and writer: checks, the ``torch.library`` registration), ``head_gemm.cpp`` /
-  ``mha_prefill.cpp`` / ``decompress.cpp`` (absorption GEMMs, normal-path MHA, its
-  decompression), ``indexer.cpp`` (DSA's lightning indexer: its logits as a GEMM over
-  ``gemm_core.h``, the streaming top-k) and ``sparse_attention.cpp`` (DSA's sparse absorbed
-  attention over the engines above).
+  permission), ``gemm_core.h`` (the torch-free GEMM engine); the torch layer, one file per op,
+  each declared in ``ops.h`` and all registered with their schemas in ``api.cpp``:
+  ``absorbed_attention.cpp`` / ``cache_write.cpp`` (checks and parameters of the attention and
+  the writer), ``head_gemm.cpp`` / ``mha.cpp`` / ``decompress.cpp`` (absorption GEMMs,
+  normal-path MHA, its decompression), ``indexer.cpp`` (DSA's lightning indexer: its logits as a
+  GEMM over ``gemm_core.h``, the streaming top-k) and ``sparse_attention.cpp`` (DSA's sparse
+  absorbed attention over the engines above).
 
 Engines of the absorbed attention (:mod:`.engine` holds the one rule that picks them per level
 and CPU, ``MLA_BACKEND_NATIVE_ENGINE`` overrides it): the fp32 engine (any q / cache dtype;
@@ -33,7 +34,7 @@ may use the bf16 engine (``vdpbf16ps``; picked where that instruction outruns fp
 Intel); at ``amx`` requests of >= 16 query rows with a bf16 or fp8 cache run on AMX-BF16 tiles
 (``csrc/amx_attention.h``).
 
-Kernel organisation (see the header comment of ``csrc/mla_cpu.cpp``): work items are
+Kernel organisation (see the header comment of ``csrc/absorbed_attention.cpp``): work items are
 (request, block of <= 32 query rows = new tokens x heads -- 128 on the AMX engine --, kv
 split); each item streams its request's latent rows through the block table in tiles of 64
 tokens (AMX: 128), loading each tile once for both the scores (fp32) and P·V; online softmax in
