@@ -27,7 +27,7 @@ from .index_cache import IndexerDims
 from .ops import KernelImpl
 from .parts import PlanPart, PlanState, SparsePart, StepShape, WorkPartition
 from .policy import PathChoice, Policy
-from .selection import get_impl
+from .selection import get_impl, resolve_policy
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,7 +240,9 @@ def plan(
     Args:
         batch: the step (:meth:`MLABatch.build`).
         dims: the layers' MLA dims (all layers of a model share them).
-        policy: absorbed-vs-normal policy; default :meth:`Policy.from_env`.
+        policy: absorbed-vs-normal policy; default the configuration's, resolved once
+            (:func:`mla_backend.selection.resolve_policy`, the selection's ``plan_policy``:
+            ``MLA_BACKEND_POLICY``).
         device: where queries and cache live; default the block table's device.
         impl: kernel implementation: a name (``torch``, ``native``, ``triton``) or an instance
             (tuning knobs are its keyword arguments); default the device's resolved selection
@@ -265,7 +267,7 @@ def plan(
     if indexer is not None and not isinstance(indexer, IndexerDims):
         raise ValueError(f"plan(indexer=...) takes IndexerDims, got {type(indexer).__name__}")
     kernels = get_impl(dev, impl)
-    policy = policy if policy is not None else Policy.from_env()
+    policy = policy if policy is not None else resolve_policy()
     extra = {"indexer": indexer} if indexer is not None else {}
     choice = policy.choose(batch, dims, kernels.cost_profile(dev), **extra)
     return _build(batch, dims, choice, kernels, dev, indexer)
