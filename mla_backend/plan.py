@@ -131,7 +131,7 @@ def _int32_views(
     lists: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """One int32 tensor per list, made as views of one buffer (one ``torch.tensor`` call, one
-    host-to-device copy per step instead of one per list: ~5-10 us each on a CPU)."""
+    host-to-device copy per step instead of one per list)."""
     flat = [v for values in lists for v in values]
     buf = torch.tensor(flat, dtype=torch.int32, device=device)
     return tuple(buf.split([len(values) for values in lists]))
