@@ -1,10 +1,14 @@
-"""Helpers both engine adapters share (imports torch only, never an engine)."""
+"""Helpers both engine adapters share (imports torch only, never an engine): output padding,
+the engine cache view, engine version lookup and the version-guarded :class:`Workaround` (with
+the table of an adapter's workarounds that docs/engines.md shows)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,17 +101,38 @@ def parse_version(version: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+@functools.cache
+def distribution_version(name: str) -> str:
+    """The installed version of the distribution ``name`` (its metadata: the package is not
+    imported); ``"0"`` when it is not installed (no :class:`Workaround` range holds it)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
 @dataclass(frozen=True)
 class Workaround:
-    """One engine workaround: the engine versions it applies to and the upstream behaviour it
-    works around (one sentence). :meth:`applies` guards it: outside ``[lo, hi)`` it is skipped
-    and that is logged once (WARNING) on ``logger_name``."""
+    """One engine workaround: the engine versions it applies to, the upstream behaviour it
+    works around and what the adapter does instead (one sentence each). :meth:`applies`
+    guards it: outside ``[lo, hi)`` it is skipped and that is logged once (WARNING) on
+    ``logger_name``.
+
+    Attributes:
+        name: its name (the table's and the skip message's).
+        versions: ``(lo, hi)``: it applies to versions ``>= lo`` and ``< hi``.
+        upstream: the engine's behaviour it works around.
+        version_of: returns the installed engine version (no engine import where avoidable).
+        logger_name: where a skip is logged.
+        remedy: what the adapter does instead, naming the function that does it.
+    """
 
     name: str
     versions: tuple[tuple[int, ...], tuple[int, ...]]
     upstream: str
     version_of: Callable[[], str]
     logger_name: str
+    remedy: str
 
     def applies(self, version: str | None = None) -> bool:
         version = self.version_of() if version is None else version
@@ -118,10 +143,27 @@ class Workaround:
         if self.name not in _SKIPPED:
             _SKIPPED.add(self.name)
             logging.getLogger(self.logger_name).warning(
-                "workaround %r (for versions >= %s, < %s) is skipped on version %s; upstream: %s",
-                self.name, ".".join(map(str, lo)), ".".join(map(str, hi)), version, self.upstream,
+                "workaround %r (for versions %s) is skipped on version %s; upstream: %s",
+                self.name, self.range_text(), version, self.upstream,
             )  # fmt: skip
         return False
 
+    def range_text(self) -> str:
+        """``>= lo, < hi`` in dotted versions."""
+        lo, hi = self.versions
+        return f">= {'.'.join(map(str, lo))}, < {'.'.join(map(str, hi))}"
+
 
 _SKIPPED: set[str] = set()
+
+
+def workaround_table(workarounds: Sequence[Workaround], engine: str) -> str:
+    """The markdown table of an adapter's workarounds (its ``compat.WORKAROUNDS``), the one
+    docs/engines.md shows: name, the ``engine`` versions it applies to, the upstream behaviour
+    and what the adapter does instead."""
+    head = ("workaround", f"applies to {engine}", f"what {engine} does", "what the adapter does")
+    rows = ["| " + " | ".join(head) + " |", "|---|---|---|---|"]
+    for w in workarounds:
+        cells = (f"`{w.name}`", w.range_text(), w.upstream, w.remedy)
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)

@@ -34,8 +34,8 @@ class Variable:
 VARIABLES: tuple[Variable, ...] = (
     Variable(
         "MLA_BACKEND_IMPL", "auto", "core",
-        "kernel implementation: auto (native on CPU, triton on CUDA/ROCm, else torch), "
-        "native, triton, flashinfer, torch",
+        "kernel implementation: auto (per device type, the first that can run of the order in "
+        "docs/design.md), native, triton, flashinfer, torch",
     ),
     Variable(
         "MLA_BACKEND_NATIVE_ISA", "", "core",

@@ -27,7 +27,7 @@ from .index_cache import IndexerDims
 from .ops import KernelImpl
 from .parts import PlanPart, PlanState, SparsePart, StepShape, WorkPartition
 from .policy import PathChoice, Policy
-from .selection import get_impl
+from .selection import get_impl, resolve_policy
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,7 +131,7 @@ def _int32_views(
     lists: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """One int32 tensor per list, made as views of one buffer (one ``torch.tensor`` call, one
-    host-to-device copy per step instead of one per list: ~5-10 us each on a CPU)."""
+    host-to-device copy per step instead of one per list)."""
     flat = [v for values in lists for v in values]
     buf = torch.tensor(flat, dtype=torch.int32, device=device)
     return tuple(buf.split([len(values) for values in lists]))
@@ -240,7 +240,9 @@ def plan(
     Args:
         batch: the step (:meth:`MLABatch.build`).
         dims: the layers' MLA dims (all layers of a model share them).
-        policy: absorbed-vs-normal policy; default :meth:`Policy.from_env`.
+        policy: absorbed-vs-normal policy; default the configuration's, resolved once
+            (:func:`mla_backend.selection.resolve_policy`, the selection's ``plan_policy``:
+            ``MLA_BACKEND_POLICY``).
         device: where queries and cache live; default the block table's device.
         impl: kernel implementation: a name (``torch``, ``native``, ``triton``) or an instance
             (tuning knobs are its keyword arguments); default the device's resolved selection
@@ -265,7 +267,7 @@ def plan(
     if indexer is not None and not isinstance(indexer, IndexerDims):
         raise ValueError(f"plan(indexer=...) takes IndexerDims, got {type(indexer).__name__}")
     kernels = get_impl(dev, impl)
-    policy = policy if policy is not None else Policy.from_env()
+    policy = policy if policy is not None else resolve_policy()
     extra = {"indexer": indexer} if indexer is not None else {}
     choice = policy.choose(batch, dims, kernels.cost_profile(dev), **extra)
     return _build(batch, dims, choice, kernels, dev, indexer)

@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass
 
 from .batch import MLABatch, Phase
-from .config import current
+from .config import Settings, current
 from .cost import (
     CPU_PROFILE,
     GPU_PROFILE,
@@ -135,17 +135,34 @@ class Policy:
         self.profile = profile
 
     @classmethod
-    def from_env(cls, default: str = "cost") -> Policy:
-        """``MLA_BACKEND_POLICY`` (cost|sglang|absorb|normal; ``default`` when unset) and
-        ``MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD`` (tokens, default 8192), read through
-        :func:`mla_backend.config.current`."""
-        s = current()
-        raw = s.chunked_prefix_threshold
+    def from_settings(cls, settings: Settings) -> Policy:
+        """The policy a configuration names: ``MLA_BACKEND_POLICY`` (cost|sglang|absorb|normal)
+        and ``MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD`` (tokens) of ``settings``.
+
+        Raises:
+            ValueError: an unknown mode or a threshold that is not an integer >= 0, naming the
+                variable, its value and what is supported.
+        """
+        mode = settings.policy.strip().lower()
+        if mode not in _MODES:
+            raise ValueError(
+                f"{ENV_VAR}={settings.policy!r} is not supported; supported: {', '.join(MODES)}"
+            )
+        raw = settings.chunked_prefix_threshold
         try:
             threshold = int(raw)
         except ValueError:
             raise ValueError(f"{THRESHOLD_ENV_VAR}={raw!r} is not an integer") from None
-        return cls(s.policy if s.is_set(ENV_VAR) else default, threshold)
+        if threshold < 0:
+            raise ValueError(f"{THRESHOLD_ENV_VAR}={threshold} must be >= 0 (tokens)")
+        return cls(mode, threshold)
+
+    @classmethod
+    def from_env(cls) -> Policy:
+        """A new policy of the variables now (:meth:`from_settings` of
+        :func:`mla_backend.config.current`). :func:`mla_backend.plan` does not call this per
+        step: it uses the resolved one (:func:`mla_backend.selection.resolve_policy`)."""
+        return cls.from_settings(current())
 
     def __repr__(self) -> str:
         return (

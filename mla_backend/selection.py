@@ -2,7 +2,9 @@
 implementation, native ISA level, attention engine, GEMM dispatch rule, cost profile, policy
 mode), each with why (the variable that forced it, the CPU flag that allowed it, the fallback
 and its reason). Every consumer reads it: :func:`mla_backend.plan` takes its kernels and
-policy, the engine adapters log it once at start-up, ``python -m mla_backend info`` prints it.
+policy (:func:`resolve_policy`: made once per configuration, never parsed per step), the engine
+adapters log it once at start-up and plan with its policy, ``python -m mla_backend info``
+prints it.
 
 It is computed once per process, device type and configuration (:func:`mla_backend.config.current`:
 a changed ``MLA_BACKEND_*`` variable gives a new selection).
@@ -27,19 +29,35 @@ from . import config
 from .decision import Decision
 from .ops.base import KernelImpl
 from .ops.registry import IMPLS, Entry
-from .policy import MODES
+from .policy import Policy
 
-__all__ = ["AUTO_ORDER", "Selection", "get_impl", "impl_name", "log_once", "resolve"]
+__all__ = [
+    "AUTO_ORDER", "OTHER_ORDER", "Selection", "auto_order_table", "get_impl", "impl_name",
+    "log_once", "resolve", "resolve_policy",
+]
 
 ENV_VAR = "MLA_BACKEND_IMPL"
-#: per device type, the implementations ``auto`` tries in order (others: torch). On CUDA
-#: FlashInfer's wrapper first where it is installed (it composes the Triton kernels for what it
-#: does not serve): on the H200 run it beat our best kernel at 128 heads by more than the 1.5x
-#: that ``benchmarks/results/gpu-plan.md`` set before the run for it to become the default.
+#: per device type, the implementations ``auto`` tries in order (other device types:
+#: :data:`OTHER_ORDER`). On CUDA FlashInfer's wrapper comes first where it is installed (it
+#: composes the Triton kernels for what it does not serve): it beat our best kernel on the H200
+#: run by more than the margin ``benchmarks/results/gpu-plan.md`` set for it to become the
+#: default (the figures: ``benchmarks/results/gpu-latest.md``). docs/design.md shows this table
+#: (:func:`auto_order_table`).
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cpu": ("native", "torch"),
     "cuda": ("flashinfer", "triton", "torch"),
 }
+#: what ``auto`` tries on a device type :data:`AUTO_ORDER` does not name
+OTHER_ORDER: tuple[str, ...] = ("torch",)
+
+
+def auto_order_table() -> str:
+    """The markdown table of :data:`AUTO_ORDER` (docs/design.md's, where a test keeps it)."""
+    rows = ["| device type | `auto` takes the first of these that can run |", "|---|---|"]
+    orders = [(f"`{d}`", o) for d, o in AUTO_ORDER.items()] + [("any other", OTHER_ORDER)]
+    for device, order in orders:
+        rows.append(f"| {device} | {', '.join(f'`{name}`' for name in order)} |")
+    return "\n".join(rows)
 
 
 # ---- the registrations (lazy: each loader imports its implementation) ------------------------
@@ -125,6 +143,8 @@ class Selection:
             attention engine and GEMM dispatch rule (None for other implementations).
         cost_profile: the roofline the ``cost`` policy prices both paths on.
         policy: the policy mode (and for ``sglang``, its chunked-prefix threshold).
+        plan_policy: that policy (:func:`resolve_policy`): the one :func:`mla_backend.plan`
+            uses when its caller passes none.
         other: further decisions of the implementation (name, decision).
         variables: the ``MLA_BACKEND_*`` variables this process sets (name, value).
         kernels: the implementation's instance (the plan's ``impl``).
@@ -140,6 +160,7 @@ class Selection:
     other: tuple[tuple[str, Decision], ...]
     variables: tuple[tuple[str, str], ...]
     kernels: KernelImpl = field(compare=False, repr=False)
+    plan_policy: Policy = field(compare=False, repr=False)
 
     def rows(self) -> list[tuple[str, Decision]]:
         """(label, decision) for every decision made, in display order."""
@@ -183,7 +204,7 @@ def _probe(entry: Entry, settings: config.Settings) -> str | None:
 def _choose(device: torch.device, asked: str, source: str, s: config.Settings) -> tuple[str, str]:
     """(implementation name, why) for ``device``; ``asked`` came from ``source``."""
     if asked == "auto":
-        order = AUTO_ORDER.get(device.type, ("torch",))
+        order = AUTO_ORDER.get(device.type, OTHER_ORDER)
         skipped = []
         for name in order:
             problem = _probe(IMPLS.entry(name), s)
@@ -216,18 +237,34 @@ def _choose(device: torch.device, asked: str, source: str, s: config.Settings) -
     return fallback, f"{source}, but {problem}: fell back to {fallback}"
 
 
-def _policy(s: config.Settings) -> Decision:
-    mode = s.policy.strip().lower()
-    if mode not in MODES:
-        raise ValueError(
-            f"MLA_BACKEND_POLICY={s.policy!r} is not supported; supported: {', '.join(MODES)}"
-        )
-    why = "MLA_BACKEND_POLICY" if s.is_set("MLA_BACKEND_POLICY") else "default"
-    if mode == "sglang":
-        return Decision(f"sglang (threshold {s.chunked_prefix_threshold})", why)
-    if mode == "cost":
-        why += ": each request priced on both paths with the cost profile"
-    return Decision(mode, why)
+_POLICIES: dict[config.Settings, tuple[Policy, Decision]] = {}
+
+
+def _policy(s: config.Settings) -> tuple[Policy, Decision]:
+    """The configuration's policy and its decision row, made once per configuration."""
+    made = _POLICIES.get(s)
+    if made is None:
+        policy = Policy.from_settings(s)
+        why = "MLA_BACKEND_POLICY" if s.is_set("MLA_BACKEND_POLICY") else "default"
+        value = policy.mode
+        if value == "sglang":
+            value += f" (threshold {policy.chunked_prefix_threshold})"
+        elif value == "cost":
+            why += ": each request priced on both paths with the cost profile"
+        made = _POLICIES[s] = (policy, Decision(value, why))
+    return made
+
+
+def resolve_policy() -> Policy:
+    """The absorbed-vs-normal :class:`~mla_backend.policy.Policy` of this configuration
+    (``MLA_BACKEND_POLICY``, ``MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD``), made once per
+    configuration: the one every :class:`Selection` of it carries (``plan_policy``), which
+    :func:`mla_backend.plan` uses when given none.
+
+    Raises:
+        ValueError: an unknown mode or a bad threshold, naming the variable and its value.
+    """
+    return _policy(config.current())[0]
 
 
 def resolve(device: torch.device | str = "cpu", impl: str | None = None) -> Selection:
@@ -260,10 +297,11 @@ def resolve(device: torch.device | str = "cpu", impl: str | None = None) -> Sele
         attention_engine=own.pop("attention_engine", None),
         gemm_dispatch=own.pop("gemm_dispatch", None),
         cost_profile=own.pop("cost_profile"),
-        policy=_policy(s),
+        policy=_policy(s)[1],
         other=tuple(own.items()),
         variables=tuple(s.explicit().items()),
         kernels=kernels,
+        plan_policy=_policy(s)[0],
     )
     _CACHE[key] = sel
     return sel

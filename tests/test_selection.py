@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import mla_backend as mb
 from mla_backend import config, selection
 from mla_backend.ops import native
 from mla_backend.ops.registry import Registry
+from mla_backend.policy import Policy
 from mla_backend.selection import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,38 @@ def test_bad_values_are_refused_naming_them(monkeypatch) -> None:
     monkeypatch.setenv("MLA_BACKEND_POLICY", "fastest")
     with pytest.raises(ValueError, match="MLA_BACKEND_POLICY='fastest'.*cost, sglang"):
         resolve(CPU)
+
+
+def test_plan_uses_the_selections_policy_parsed_once_per_configuration(monkeypatch) -> None:
+    monkeypatch.setenv("MLA_BACKEND_IMPL", "torch")
+    monkeypatch.setenv("MLA_BACKEND_POLICY", "normal")
+    sel = resolve(CPU)
+    assert sel.plan_policy.mode == "normal" and sel.policy.value == "normal"
+    assert selection.resolve_policy() is sel.plan_policy
+    used: list[Policy] = []
+    choose = Policy.choose
+    monkeypatch.setattr(Policy, "choose", lambda self, *a, **k: used.append(self) or choose(
+        self, *a, **k))
+    parse = Policy.from_settings
+
+    def parsed_again(*args: object) -> Policy:
+        raise AssertionError("plan() parsed MLA_BACKEND_POLICY again")
+
+    monkeypatch.setattr(Policy, "from_settings", parsed_again)
+    b = mb.MLABatch.build([0, 3], [4, 2], torch.zeros(2, 5, dtype=torch.int32), 4,
+                          mb.Phase.EXTEND)  # fmt: skip
+    dims = mb.MLADims(2, 16, 8, 4, 8)
+    plans = [mb.plan(b, dims) for _ in range(3)] + [mb.plan(b, dims, impl="torch")]
+    assert used == [sel.plan_policy] * 4 and {p.mode for p in plans} == {"normal"}
+    assert mb.plan(b, dims, Policy("absorb")).mode == "absorbed"  # the caller's wins
+    # a changed variable is another configuration: its own policy, parsed once
+    monkeypatch.setattr(Policy, "from_settings", parse)
+    monkeypatch.setenv("MLA_BACKEND_POLICY", "absorb")
+    assert mb.plan(b, dims).mode == "absorbed" and used[-1] is resolve(CPU).plan_policy
+    assert used[-1] is not sel.plan_policy and used[-1].mode == "absorb"
+    monkeypatch.setenv("MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD", "-3")
+    with pytest.raises(ValueError, match="MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD=-3 must be >= 0"):
+        mb.plan(b, dims)
 
 
 def test_native_that_cannot_load_falls_back_to_torch_saying_why(monkeypatch) -> None:

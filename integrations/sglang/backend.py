@@ -136,8 +136,8 @@ class MLAAbsorbBackend(AttentionBackend):
             if getattr(translator, "reads_are_translated", False):
                 _fail("a translating (unified) KV pool is not supported")
             self.kv_index_translator = translator
-        self.policy = mb.Policy.from_env()
-        log_once(logger, self.device)  # what runs, once per process and device
+        # what runs, logged once per process and device; every step plans with its policy
+        self.policy = log_once(logger, self.device).plan_policy
         self.forward_metadata: MLAAbsorbMetadata | None = None
         # layer_id -> DeepseekV2AttentionMLA (weakly), bound by the forward-method handler.
         self._owners: dict[int, weakref.ReferenceType] = {}

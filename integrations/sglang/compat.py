@@ -1,40 +1,25 @@
-"""Every SGLang workaround of this adapter, in one place, each guarded by the SGLang versions
-it was written for and checked against (outside them it is skipped, logged once).
-
-- :data:`PLAIN_MLA_ON_CPU` (SGLang >= 0.5.23, < 0.5.24): the forward-method handler answers the
-  plain ``MLA`` method, never the CPU fused-rope subtype (:func:`absorbed_forward_method`).
-- :data:`CPU_IMPORT_STUBS` (SGLang >= 0.5.23, < 0.5.24): import-only stand-ins for
-  ``torchvision`` and ``sgl_kernel`` on a CPU machine (:func:`add_import_stubs`; the stand-ins
-  themselves are test tooling under ``tests/stubs``, never shipped);
-- :data:`ATTENTION_TP_SIZE` (SGLang >= 0.5.23, < 0.5.24): a layer's heads are split over the
-  attention-TP group, which DP attention makes smaller than ``--tp`` (:func:`attention_tp_size`).
-
-Each one's ``upstream`` attribute says, in one sentence, which SGLang behaviour it works
-around. Importing this module does not import SGLang.
+"""Every SGLang workaround of this adapter, in one place: each a :class:`Workaround` guarded by
+the SGLang versions it was written for and checked against (outside them it is skipped,
+logged once), listed in :data:`WORKAROUNDS` (the table docs/engines.md shows, rendered by
+:func:`~mla_backend_integrations._common.workaround_table`: name, versions, the upstream
+behaviour and what the adapter does instead), next to the functions that apply them.
+Importing this module does not import SGLang.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import sys
 from typing import Any
 
-from mla_backend_integrations._common import Workaround
+from mla_backend_integrations._common import Workaround, distribution_version
 
 _LOGGER = "mla_backend.sglang"
 #: SGLang versions this adapter was tested with: [min, max).
 TESTED_SGLANG_RANGE: tuple[tuple[int, ...], tuple[int, ...]] = ((0, 5, 23), (0, 5, 24))
-
-
-@functools.lru_cache(maxsize=1)
-def sglang_version() -> str:
-    """The installed SGLang version (distribution metadata: no SGLang import)."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "0"
+#: the installed SGLang version (distribution metadata: no SGLang import)
+sglang_version = functools.partial(distribution_version, "sglang")
 
 
 PLAIN_MLA_ON_CPU = Workaround(
@@ -45,6 +30,8 @@ PLAIN_MLA_ON_CPU = Workaround(
     "decode op itself and never calls the attention backend",
     sglang_version,
     _LOGGER,
+    "the forward-method handler answers the plain AttnForwardMethod.MLA, so the attention "
+    "backend runs (absorbed_forward_method)",
 )
 CPU_IMPORT_STUBS = Workaround(
     "cpu-import-stubs",
@@ -54,6 +41,8 @@ CPU_IMPORT_STUBS = Workaround(
     "sgl-kernel wheel exists)",
     sglang_version,
     _LOGGER,
+    "import-only stand-ins (test tooling under tests/stubs, never shipped) go first on "
+    "sys.path and PYTHONPATH, which server subprocesses inherit (add_import_stubs)",
 )
 
 ATTENTION_TP_SIZE = Workaround(
@@ -65,7 +54,26 @@ ATTENTION_TP_SIZE = Workaround(
     "tp_size",
     sglang_version,
     _LOGGER,
+    "a layer's heads per rank come from SGLang's attention-TP size, the runner's tp_size "
+    "where no parallel context exists (attention_tp_size)",
 )
+SPLIT_QK_BACKENDS = Workaround(
+    "split-qk-backends",
+    TESTED_SGLANG_RANGE,
+    "a DeepSeek layer passes q_pe / k_pe to the attention backend separately only for the "
+    "backends named in sglang.srt.models.deepseek_common.utils."
+    "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS, a module list with no registration call; for "
+    "every other backend it concatenates [q_lat ; q_pe] and [k_lat ; k_pe] into new tensors",
+    sglang_version,
+    _LOGGER,
+    "the plugin adds mla_absorb to that list (removes it for MLA_BACKEND_SGLANG_QK=concat); "
+    "the backend serves both conventions (use_split_qk)",
+)
+
+#: every workaround above, in the order docs/engines.md lists them
+WORKAROUNDS: tuple[Workaround, ...] = (
+    PLAIN_MLA_ON_CPU, CPU_IMPORT_STUBS, ATTENTION_TP_SIZE, SPLIT_QK_BACKENDS,
+)  # fmt: skip
 
 
 def attention_tp_size(model_runner: Any) -> int:
@@ -108,3 +116,16 @@ def add_import_stubs(stubs_dir: str, env: dict[str, str] | None = None) -> None:
     pp = env.get("PYTHONPATH", "")
     if stubs_dir not in pp.split(os.pathsep):
         env["PYTHONPATH"] = stubs_dir + (os.pathsep + pp if pp else "")
+
+
+def use_split_qk(backends: list[str], name: str, split: bool) -> None:
+    """Name ``name`` in SGLang's ``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS`` (``backends``) when
+    ``split`` (the model then passes q_pe / k_pe separately), else take it out (the model
+    concatenates them), see :data:`SPLIT_QK_BACKENDS`; idempotent. Outside the workaround's
+    versions the list is left alone (SGLang's own convention: concatenated)."""
+    if not SPLIT_QK_BACKENDS.applies():
+        return
+    if split and name not in backends:
+        backends.append(name)
+    elif not split and name in backends:
+        backends.remove(name)

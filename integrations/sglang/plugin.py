@@ -4,12 +4,15 @@
 idempotent and:
 
 1. registers the backend factory under ``mla_absorb`` (``register_attention_backend``);
-2. adds ``mla_absorb`` to the ``--attention-backend`` (and prefill/decode/draft) choices;
+2. adds ``mla_absorb`` to the attention-backend choices (``--attention-backend``,
+   ``--prefill-attention-backend``, ``--decode-attention-backend``) and to the draft backends
+   speculative decoding accepts, through SGLang's extension points
+   (``add_attention_backend_choices``, ``add_draft_attention_backend_choices``);
 3. registers the DeepSeek forward-method handler (``AttentionBackendRegistry.register``);
-4. chooses the absorbed calling convention: by default ``mla_absorb`` joins
-   ``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS`` so the model passes ``q_rope``/``k_rope``
+4. chooses the absorbed calling convention: by default the model passes ``q_rope``/``k_rope``
    separately (no concatenated copies of q and k); ``MLA_BACKEND_SGLANG_QK=concat`` keeps the
-   concatenated ``[q_lat ; q_pe]`` convention. The backend serves both.
+   concatenated ``[q_lat ; q_pe]`` convention. The backend serves both. SGLang has no call for
+   this choice: it is a version-guarded workaround (``compat.SPLIT_QK_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mla_backend_integrations.sglang import BACKEND_NAME
+from mla_backend_integrations.sglang import BACKEND_NAME, compat
 
 from mla_backend.config import current
 
@@ -55,14 +58,12 @@ def register() -> None:
 
     if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_mla_absorb_backend:
         register_attention_backend(BACKEND_NAME)(create_mla_absorb_backend)
-    for lst in (choices.ATTENTION_BACKEND_CHOICES, choices.DRAFT_ATTENTION_BACKEND_CHOICES):
-        if BACKEND_NAME not in lst:
-            lst.append(BACKEND_NAME)
+    if BACKEND_NAME not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([BACKEND_NAME])
+    if BACKEND_NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
+        choices.add_draft_attention_backend_choices([BACKEND_NAME])
     AttentionBackendRegistry.register(BACKEND_NAME, handle_attention_mla_absorb)
-    absorb_list = ds_utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
-    if qk_convention() == "split":
-        if BACKEND_NAME not in absorb_list:
-            absorb_list.append(BACKEND_NAME)
-    elif BACKEND_NAME in absorb_list:
-        absorb_list.remove(BACKEND_NAME)
+    compat.use_split_qk(
+        ds_utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS, BACKEND_NAME, qk_convention() == "split"
+    )
     logger.info("mla-backend: registered SGLang attention backend %r", BACKEND_NAME)

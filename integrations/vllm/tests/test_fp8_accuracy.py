@@ -51,29 +51,8 @@ luck of per-tensor's (ds max / fp8 max, fp32 model below the engine, seeds +0/+1
 0.82-1.15x standard, 0.75-0.97x stressed, 0.75-1.47x stressed_sorted, 0.14-0.18x
 wide_grouped, 1.00-1.74x wide_scattered).
 
-Measured (bf16 model, 2026-11-22, 4 prompts of 180/40/7/95 tokens + 12 greedy tokens each;
-identical in two runs)::
-
-    checkpoint    cache        B/token/layer  max    mean   ds max / fp8 max
-    standard      auto (bf16)  1152           0.293  0.061
-    standard      fp8           576           1.155  0.251
-    standard      fp8_ds_mla    656           0.908  0.233  0.79
-    stressed      auto (bf16)  1152           1.782  0.182
-    stressed      fp8           576           4.582  0.726
-    stressed      fp8_ds_mla    656           3.829  0.635  0.84
-    wide_grouped  auto (bf16)  1152           0.410  0.065
-    wide_grouped  fp8           576           5.702  1.574
-    wide_grouped  fp8_ds_mla    656           1.030  0.244  0.18
-
-Targets (issue 10): ``fp8_ds_mla``'s max |log-prob error| at most half of per-tensor fp8's:
-met on wide_grouped (0.18x, asserted), NOT met on standard (0.79x) or stressed (0.84x), where
-both formats have the same precision. Greedy tokens equal to the bf16 cache's on the standard
-prompts: NOT met, by either fp8 cache: per-tensor fp8 differs in 33 of 48 generated tokens
-(first differences at tokens 7/3/5/0 of the 4 prompts), ``fp8_ds_mla`` in 34 of 48 (tokens
-2/1/7/4); the bf16 cache's top-1/top-2 margin at those first differences is 0.06-0.44 (bf16
-logits: multiples of 1/16), below both caches' max errors (1.16, 0.91) and below the median
-margin of all 48 decode steps (0.75): the random tiny model has near-ties everywhere (the bf16
-cache itself is 0.29 off fp32), and a 3-bit mantissa on c_kv moves them.
+The figures of the engine runs (the dated table, and the issue's targets met or not) are in
+benchmarks/results/history.md ("Figures from docstrings").
 
 Tests: the engine's KV bytes per token (1152/576/656); below the engine, equal median c_kv
 error of both formats on the in-range checkpoints and the lost shares of wide_grouped and

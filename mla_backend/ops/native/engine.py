@@ -15,12 +15,14 @@ The rule (:func:`attention_engine`): ``fp32`` below ``avx512_bf16``; from there 
 is ``bf16`` only where ``vdpbf16ps`` gives more FLOPs per cycle than fp32 FMA, which is a property
 of the core, told apart by the CPU vendor:
 
-- Intel (Sapphire Rapids class, measured here with ``benchmarks/micro/dot_throughput.cpp``: one
-  ``vdpbf16ps zmm`` per ~2 cycles, 72 GFLOP/s per core, vs two ``vfmadd231ps zmm`` per cycle,
-  145-185 GFLOP/s; the fp32 engine decoded H128 B1 kv4K in 8.4 ms vs 11.5 ms): ``fp32``;
+- Intel (Sapphire Rapids class: one ``vdpbf16ps zmm`` per ~2 cycles against two
+  ``vfmadd231ps zmm`` per cycle, so bf16 dot products give half the FLOPs of fp32 FMA;
+  ``benchmarks/micro/dot_throughput.cpp``, its figures in
+  ``benchmarks/results/dot_throughput-latest.md``, both engines' decode in
+  ``benchmarks/results/decode-history.md``): ``fp32``;
 - AMD (Zen 4 / 5: ``vdpbf16ps zmm`` issues once per cycle, 64 FLOP, twice the 32 FLOP of a
   512-bit FMA on its 256-bit FMA pipes, per AMD's and uops.info's instruction tables; the bf16
-  engine ran at 73-114% of the roofline on Zen 4): ``bf16``;
+  engine's Zen 4 runs are in ``benchmarks/results/decode-history.md``): ``bf16``;
 - any other vendor: ``fp32`` (the engine that needs no bf16 dot-product throughput).
 
 Level ``amx`` adds the AMX engine in front of that vector engine. ``MLA_BACKEND_NATIVE_ENGINE``

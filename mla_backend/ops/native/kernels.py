@@ -40,7 +40,8 @@ def torch_bf16_on_amx() -> bool:
     """Whether torch's own bf16 GEMM and SDPA can reach AMX tiles in this process: torch's
     kernels run at capability ``AVX512`` (not capped by ``ATEN_CPU_CAPABILITY``) and oneDNN is
     not capped below AMX (``ONEDNN_MAX_CPU_ISA`` unset, ``ALL``/``DEFAULT`` or an ``*AMX*`` ISA).
-    Capped (an AVX2-only CPU imitated), torch's bf16 GEMM runs at ~1 GFLOP/s."""
+    Capped (an AVX2-only CPU imitated), torch's bf16 GEMM is far slower than our kernels
+    (``benchmarks/results/gemm-latest.md``)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
@@ -97,7 +98,7 @@ class Kernels(KernelImpl):
         :data:`AMX_TORCH_MIN_ROWS` rows on (measured with ``python -m benchmarks gemm``); at
         every other level, and at ``amx`` when torch itself is capped below AMX
         (:func:`torch_bf16_on_amx`), our kernels are the fast ones (torch's bf16 GEMM without
-        bf16 dot products runs at ~1 GFLOP/s)."""
+        bf16 dot products: ``benchmarks/results/gemm-latest.md``)."""
         return self.level == "amx" and rows >= AMX_TORCH_MIN_ROWS and torch_bf16_on_amx()
 
     def __repr__(self) -> str:

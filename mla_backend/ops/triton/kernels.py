@@ -140,8 +140,9 @@ class Kernels(KernelImpl):
 
     def _gluon(self, dims: MLADims) -> bool:
         """Whether calls of these dims try the Gluon kernel: the ``gluon`` knob, else (None)
-        from :data:`heuristics.GLUON_MIN_HEADS` heads on (the H200 run: 1.8x the Triton kernel
-        at 128 heads, slower at 16). It still serves only the calls it can (page 64, bf16 /
+        from :data:`heuristics.GLUON_MIN_HEADS` heads on (the H200 run,
+        ``benchmarks/results/gpu-latest.md``: faster than the Triton kernel at 128 heads,
+        slower at 16). It still serves only the calls it can (page 64, bf16 /
         fp16, r 512, rope 64); the Triton kernel serves the rest."""
         return self.gluon if self.gluon is not None else dims.num_heads >= hx.GLUON_MIN_HEADS
 

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -42,6 +41,35 @@ struct DefersPrefetch : std::false_type {};
 template <class E>
 struct DefersPrefetch<E, std::void_t<decltype(std::declval<E&>().defer_prefetch(nullptr, 0))>>
     : std::true_type {};
+
+// The work item's epilogue: each of its it.nrows rows (row R = it.row0 + m of its request, flat
+// [T*H] output row out_row0 + R) normalised by its softmax sum lrow[m] (times P.out_scale) with
+// its LSE mrow[m] + log lrow[m] (0 and -inf for a row that saw no key), stored into P.out /
+// P.lse when the item is its request's only kv split, else into the split's partial row
+// (P.part_o / P.part_lse, merged after by merge_splits).
+template <typename QT, class Engine>
+inline void store_item_rows(const Params& P, const Item& it, const Engine& E, int64_t out_row0,
+                            const float* mrow, const float* lrow) {
+  const int64_t r = P.r;
+  for (int m = 0; m < it.nrows; ++m) {
+    const int64_t R = it.row0 + m;
+    float inv = 0.0f, lse = kNegInf;
+    if (lrow[m] > 0.0f) {
+      inv = P.out_scale / lrow[m];
+      lse = mrow[m] + std::log(lrow[m]);
+    }
+    const float* o = E.orow(m);
+    if (it.nsplit == 1) {
+      const int64_t g = out_row0 + R;
+      store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
+      P.lse[g] = lse;
+    } else {
+      const int64_t pr = it.part_off + R * it.nsplit + it.split;
+      store_row(P.part_o + pr * r, o, r, inv);
+      P.part_lse[pr] = lse;
+    }
+  }
+}
 
 template <typename QT, class Engine>
 void run_item(const Params& P, const Item& it, Engine& E, int64_t* offs, float* mrow, float* lrow,
@@ -88,34 +116,12 @@ void run_item(const Params& P, const Item& it, Engine& E, int64_t* offs, float* 
     }
     E.compute_tile(rows, nt, t0, lim, P.score_scale, mrow, lrow);
   }
-  const int64_t r = P.r;
-  for (int m = 0; m < rows; ++m) {
-    const int64_t R = it.row0 + m;
-    float inv = 0.0f, lse = kNegInf;
-    if (lrow[m] > 0.0f) {
-      inv = P.out_scale / lrow[m];
-      lse = mrow[m] + std::log(lrow[m]);
-    }
-    const float* o = E.orow(m);
-    if (it.nsplit == 1) {
-      const int64_t g = P.cu[i] * H + R;  // flat [T*H] row
-      store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
-      P.lse[g] = lse;
-    } else {
-      const int64_t pr = it.part_off + R * it.nsplit + it.split;
-      store_row(P.part_o + pr * r, o, r, inv);
-      P.part_lse[pr] = lse;
-    }
-  }
+  store_item_rows<QT>(P, it, E, P.cu[i] * H, mrow, lrow);
 }
 
 template <typename QT, class Engine>
 void run_items(const Params& P, const std::vector<Item>& items, const Parallel& par) {
-  std::atomic<int64_t> next{0};
-  const int64_t nitems = static_cast<int64_t>(items.size());
-  if (nitems == 0) return;
-  const int64_t nthreads = std::min<int64_t>(par.threads, nitems);
-  auto worker = [&](int64_t, int64_t) {
+  run_pulled(static_cast<int64_t>(items.size()), par, [&](auto& pull) {
     Engine E(P);
     constexpr int TN = EngineDims<Engine>::kTile, MR = EngineDims<Engine>::kRows;
     float* mrow = tl_scratch.ml.get<float>(2 * MR);
@@ -123,14 +129,8 @@ void run_items(const Params& P, const std::vector<Item>& items, const Parallel& 
     int64_t* scratch = tl_scratch.misc.get<int64_t>(TN + MR);
     int64_t* offs = scratch;
     int64_t* lim = scratch + TN;
-    for (int64_t k; (k = next.fetch_add(1)) < nitems;)
-      run_item<QT, Engine>(P, items[k], E, offs, mrow, lrow, lim);
-  };
-  if (nthreads <= 1) {
-    worker(0, 1);
-  } else {
-    par.for_range(nthreads, 1, worker);
-  }
+    for (int64_t k; (k = pull()) >= 0;) run_item<QT, Engine>(P, items[k], E, offs, mrow, lrow, lim);
+  });
 }
 
 template <typename QT>
@@ -236,14 +236,9 @@ inline std::string absorbed_attention(Params P, const Bounds& b, DType qdt, int 
       const int64_t nr = std::min(mb, rows - row0);
       for (int64_t s = 0; s < ns; ++s) {
         Item it;
-        it.req = static_cast<int32_t>(i);
+        set_split(it, i, s, ns, len, L, poff);
         it.row0 = static_cast<int32_t>(row0);
         it.nrows = static_cast<int32_t>(nr);
-        it.split = static_cast<int32_t>(s);
-        it.nsplit = static_cast<int32_t>(ns);
-        it.kv0 = static_cast<int32_t>(s * len);
-        it.kv1 = static_cast<int32_t>(std::min(L, (s + 1) * len));
-        it.part_off = poff;
         it.cost = (it.kv1 - it.kv0) * nr;
         dst.push_back(it);
       }

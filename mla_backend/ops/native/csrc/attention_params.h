@@ -15,6 +15,8 @@
 // bad index is refused with a message naming the value and its allowed range.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -39,6 +41,23 @@ struct Parallel {
         if (n > 0) fn(0, n);
       };
 };
+
+// Runs a call's n work items (sorted costliest first) on min(par.threads, n) threads, each
+// pulling the next item index from one shared counter: body(pull) runs once per thread (its
+// engine and scratch are its locals) and calls pull() until it returns -1.
+template <class Body>
+inline void run_pulled(int64_t n, const Parallel& par, Body&& body) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  auto pull = [&]() -> int64_t {
+    const int64_t k = next.fetch_add(1);
+    return k < n ? k : -1;
+  };
+  auto thread = [&](int64_t, int64_t) { body(pull); };
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, par.threads), n);
+  if (threads <= 1) thread(0, 1);
+  else par.for_range(threads, 1, thread);
+}
 
 constexpr int kTileN = 64;    // kv tokens per tile
 constexpr int kMaxRows = 32;  // query rows per work item
@@ -122,6 +141,21 @@ struct Item {
   int64_t part_off;  // first partial row of the request
   int64_t cost;
 };
+
+// The kv-split fields of a work item (an Item, or the indexer's IdxItem): request (or token)
+// req, split s of ns, its keys [s * len, min(L, (s + 1) * len)) and the first partial row of its
+// request, part_off.
+template <class WorkItem>
+inline void set_split(WorkItem& it, int64_t req, int64_t s, int64_t ns, int64_t len, int64_t L,
+                      int64_t part_off) {
+  using Kv = decltype(it.kv0);
+  it.req = static_cast<int32_t>(req);
+  it.split = static_cast<int32_t>(s);
+  it.nsplit = static_cast<int32_t>(ns);
+  it.kv0 = static_cast<Kv>(s * len);
+  it.kv1 = static_cast<Kv>(std::min(L, (s + 1) * len));
+  it.part_off = part_off;
+}
 
 // ---- the call's indices, checked before anything is read -----------------------------------
 // Bounds: what P's arrays are checked against. T query tokens; the block table has bt_rows rows

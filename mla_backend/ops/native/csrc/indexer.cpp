@@ -33,7 +33,6 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <functional>
 #include <string>
 #include <vector>
@@ -434,14 +433,9 @@ inline std::string indexer(const IndexParams& P, const Bounds& b, const Parallel
       const int64_t j1 = std::min(n, j0 + tb);
       for (int64_t s = 0; s < ns; ++s) {
         IdxItem it;
-        it.req = static_cast<int32_t>(i);
+        set_split(it, i, s, ns, len, L, poff);
         it.j0 = static_cast<int32_t>(j0);
         it.j1 = static_cast<int32_t>(j1);
-        it.split = static_cast<int32_t>(s);
-        it.nsplit = static_cast<int32_t>(ns);
-        it.kv0 = s * len;
-        it.kv1 = std::min(L, (s + 1) * len);
-        it.part_off = poff;
         it.cost = (it.kv1 - it.kv0) * (j1 - j0);
         if (it.kv0 < it.kv1) items.push_back(it);
       }
@@ -450,14 +444,10 @@ inline std::string indexer(const IndexParams& P, const Bounds& b, const Parallel
   std::stable_sort(items.begin(), items.end(), [](const IdxItem& a, const IdxItem& c) { return a.cost > c.cost; });
   std::vector<int64_t> pcand(static_cast<size_t>(slots * std::max<int64_t>(P.topk, 1)));
   std::vector<int32_t> pcnt(static_cast<size_t>(slots), 0);
-  std::atomic<int64_t> next{0};
-  const int64_t nitems = static_cast<int64_t>(items.size());
-  auto worker = [&](int64_t, int64_t) {
+  run_pulled(static_cast<int64_t>(items.size()), par, [&](auto& pull) {
     IdxScratch S;
-    for (int64_t k; (k = next.fetch_add(1)) < nitems;) run_indexer_item(P, items[k], S, pcand.data(), pcnt.data());
-  };
-  if (std::min(nthreads, nitems) <= 1) worker(0, 1);
-  else par.for_range(std::min(nthreads, nitems), 1, worker);
+    for (int64_t k; (k = pull()) >= 0;) run_indexer_item(P, items[k], S, pcand.data(), pcnt.data());
+  });
   if (slots == 0) return {};
   // merge each split token's candidates
   struct Tok {

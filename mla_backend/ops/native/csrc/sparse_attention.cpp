@@ -21,7 +21,6 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <string>
 #include <vector>
 
@@ -96,43 +95,19 @@ void run_sparse_item(const Params& P, const SparseIndex& S, const Item& it, Engi
     }
     E.compute_tile(rows, nt, t0, lim, P.score_scale, mrow, lrow);
   }
-  const int64_t r = P.r;
-  for (int m = 0; m < rows; ++m) {
-    const int64_t R = it.row0 + m;
-    float inv = 0.0f, lse = -std::numeric_limits<float>::infinity();
-    if (lrow[m] > 0.0f) {
-      inv = P.out_scale / lrow[m];
-      lse = mrow[m] + std::log(lrow[m]);
-    }
-    const float* o = E.orow(m);
-    if (it.nsplit == 1) {
-      const int64_t g = t * H + R;
-      store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
-      P.lse[g] = lse;
-    } else {
-      const int64_t pr = it.part_off + R * it.nsplit + it.split;
-      store_row(P.part_o + pr * r, o, r, inv);
-      P.part_lse[pr] = lse;
-    }
-  }
+  store_item_rows<QT>(P, it, E, t * H, mrow, lrow);  // one token: its heads are the rows
 }
 
 template <typename QT, class Engine>
 void run_sparse_items(const Params& P, const SparseIndex& S, const std::vector<Item>& items, const Parallel& par) {
-  std::atomic<int64_t> next{0};
-  const int64_t nitems = static_cast<int64_t>(items.size());
-  if (nitems == 0) return;
-  const int64_t nthreads = std::min<int64_t>(par.threads, nitems);
-  auto worker = [&](int64_t, int64_t) {
+  run_pulled(static_cast<int64_t>(items.size()), par, [&](auto& pull) {
     Engine E(P);
     constexpr int MR = EngineDims<Engine>::kRows;
     std::vector<float> ml(2 * MR);
     std::vector<int64_t> lim(MR), offs;
-    for (int64_t k; (k = next.fetch_add(1)) < nitems;)
+    for (int64_t k; (k = pull()) >= 0;)
       run_sparse_item<QT, Engine>(P, S, items[k], E, offs, ml.data(), ml.data() + MR, lim.data());
-  };
-  if (nthreads <= 1) worker(0, 1);
-  else par.for_range(nthreads, 1, worker);
+  });
 }
 
 template <typename QT>
@@ -185,14 +160,9 @@ inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex
     for (int64_t bb = 0; bb < nb; ++bb)
       for (int64_t s = 0; s < ns; ++s) {
         Item it;
-        it.req = static_cast<int32_t>(t);
+        set_split(it, t, s, ns, len, K, t * H * ns);
         it.row0 = static_cast<int32_t>(bb * mb);
         it.nrows = static_cast<int32_t>(std::min(mb, H - bb * mb));
-        it.split = static_cast<int32_t>(s);
-        it.nsplit = static_cast<int32_t>(ns);
-        it.kv0 = static_cast<int32_t>(s * len);
-        it.kv1 = static_cast<int32_t>(std::min(K, (s + 1) * len));
-        it.part_off = t * H * ns;
         it.cost = 0;
         items.push_back(it);
       }
