@@ -106,7 +106,7 @@ inline std::string write_latent(const WriteParams& W, const Parallel& par) {
         write_ds_row(reinterpret_cast<uint8_t*>(dst), c, kp, W.r, W.rope, dsl, W.rope_dt);
         continue;
       }
-      std::memcpy(row.data(), c, W.r * sizeof(float));
+      if (W.r) std::memcpy(row.data(), c, W.r * sizeof(float));  // r = 0: c may be null
       if (W.rope) std::memcpy(row.data() + W.r, kp, W.rope * sizeof(float));
       if (W.mode == kFp8)
         store_e4m3_row(reinterpret_cast<uint8_t*>(dst), row.data(), D, W.kv_scale);
