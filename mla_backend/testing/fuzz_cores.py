@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ops.native import build, isa
+from . import cross_tools
 
 FUZZ_DIR = Path(__file__).resolve().parents[2] / "tests" / "native_core" / "fuzz"
 SEEDS = FUZZ_DIR / "corpus"
@@ -47,7 +48,7 @@ TARGETS = (
 )
 CXX = "clang++"
 FLAGS = [
-    "-O1", "-g", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all",
+    "-O1", "-gline-tables-only", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all",
     "-fno-omit-frame-pointer",
 ]  # fmt: skip
 ENV = {
@@ -60,17 +61,14 @@ HANG_S = 30
 
 def missing() -> str | None:
     """Why the targets cannot be built here (None when they can): clang++ or its libFuzzer
-    runtime (Debian: clang, libclang-rt-<version>-dev) is missing, or this is not x86-64."""
+    runtime (:func:`~mla_backend.testing.cross_tools.fuzzer_runtime`) is missing, or this is not
+    x86-64."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "the fuzz targets are built for x86-64 ISA levels only"
-    cxx = shutil.which(CXX)
-    if cxx is None:
-        return f"{CXX} is not installed (Debian: apt-get install clang)"
-    lib = subprocess.run(
-        [cxx, "-print-file-name=libclang_rt.fuzzer-x86_64.a"], capture_output=True, text=True
-    ).stdout.strip()
-    if not Path(lib).is_file():
-        return f"{CXX} has no libFuzzer runtime (Debian: libclang-rt-<clang version>-dev)"
+    if shutil.which(CXX) is None:
+        return f"{CXX} is not installed (Debian: clang; python3 -m nox -s cores installs it)"
+    if cross_tools.fuzzer_runtime() is None:
+        return f"{CXX} has no libFuzzer runtime (Debian: libclang-rt-dev, the default clang's)"
     return None
 
 
@@ -195,8 +193,12 @@ def run_all(
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=1.0, help="per target (default 1)")
-    ap.add_argument("--runs", type=int, default=None, help="stop each target after this many inputs")
-    ap.add_argument("--level", action="append", help="ISA level (repeatable; default: every level this host runs)")
+    ap.add_argument("--runs", type=int, default=None, help="inputs per target (stop there)")
+    ap.add_argument(
+        "--level",
+        action="append",
+        help="repeatable; default: each level this host runs",
+    )
     ap.add_argument("--target", action="append", choices=TARGETS, help="repeatable; default all")
     ap.add_argument("--work", type=Path, default=WORK, help=f"working corpora (default {WORK})")
     ap.add_argument("--jobs", type=int, default=2, help="targets run at once (default 2)")
@@ -214,8 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # each level's working corpus of its own (their coverage differs by level)
         for o in run_all(lvl, a.target or TARGETS, a.minutes * 60, a.runs, a.work / lvl, a.jobs):
             outcome = "FAILED" if o.failed else "ok"
+            rate = f"{o.exec_per_s:>8.0f}"
             print(
-                f"{o.target:20} {o.level:12} {o.runs:>10} {o.exec_per_s:>8.0f} {o.corpus:>7}  {outcome}",
+                f"{o.target:20} {o.level:12} {o.runs:>10} {rate} {o.corpus:>7}  {outcome}",
                 flush=True,
             )
             if o.failed:

@@ -109,11 +109,11 @@ struct LatentCall {
     const bool specials = in.ConsumeIntegralInRange<int>(0, 5) == 0;
     qdt = in.ConsumeIntegralInRange<int>(0, 2);
     mode = in.ConsumeIntegralInRange<int>(0, 2);
-    // mostly small (fast executions); the larger shapes (32+ rows per item, several 128-value
-    // tiles, kv splits) one call in 8
-    const bool big = in.ConsumeIntegralInRange<int>(0, 7) == 0;
-    H = big && in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(1, 40) : in.ConsumeIntegralInRange<int64_t>(1, 4);
-    r = big && in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(1, 288) : in.ConsumeIntegralInRange<int64_t>(1, 24);
+    // mostly small (fast executions); the larger shapes one call in 8, one dimension at a time
+    // (32+ rows per item, several 128-value tiles, long contexts with kv splits, many tokens)
+    const int big = in.ConsumeIntegralInRange<int>(0, 7) == 0 ? in.ConsumeIntegralInRange<int>(1, 4) : 0;
+    H = big == 1 ? in.ConsumeIntegralInRange<int64_t>(1, 40) : in.ConsumeIntegralInRange<int64_t>(1, 4);
+    r = big == 2 ? in.ConsumeIntegralInRange<int64_t>(1, 288) : in.ConsumeIntegralInRange<int64_t>(1, 24);
     rope = in.ConsumeIntegralInRange<int64_t>(0, 16);
     if (mal & 1) H = 0;
     if (mal & 2) r = 0;
@@ -122,8 +122,8 @@ struct LatentCall {
     B = in.ConsumeIntegralInRange<int64_t>(0, 4);
     std::vector<int64_t> n(static_cast<size_t>(B)), L(static_cast<size_t>(B));
     for (int64_t i = 0; i < B; ++i) {
-      n[i] = big && in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(0, 40) : in.ConsumeIntegralInRange<int64_t>(0, 3);
-      L[i] = n[i] + (big && in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(0, 200) : in.ConsumeIntegralInRange<int64_t>(0, 12));
+      n[i] = big == 4 ? in.ConsumeIntegralInRange<int64_t>(0, 40) : in.ConsumeIntegralInRange<int64_t>(0, 3);
+      L[i] = n[i] + (big == 3 ? in.ConsumeIntegralInRange<int64_t>(0, 200) : in.ConsumeIntegralInRange<int64_t>(0, 12));
     }
     int64_t need = 0;
     for (int64_t i = 0; i < B; ++i) need = std::max(need, ps > 0 ? (L[i] + ps - 1) / ps : 0);
@@ -152,7 +152,7 @@ struct LatentCall {
       if (mal & 512) cu[i + 1] = cu[i] - 1;                                      // decreasing
       if (mal & 1024) cu[B] += 1;                                                // != T
       if (mal & 2048) kvl[i] = in.ConsumeBool() ? INT32_MAX : INT32_MIN;
-      if ((mal & 4096) && width > 0) {  // a page id out of range (or far out)
+      if ((mal & 4096) && width > 0 && i < rows) {  // a page id out of range (or far out)
         const int64_t p = in.ConsumeIntegralInRange<int64_t>(0, width - 1);
         bt[i * bt_s0 + p] = in.ConsumeBool() ? static_cast<int32_t>(np + in.ConsumeIntegralInRange<int>(0, 2))
                                              : (in.ConsumeBool() ? -1 : INT32_MAX);

@@ -21,7 +21,7 @@ namespace core {
 inline void store_as(char* dst, const float* src, int64_t n, DType dt) {
   if (dt == DType::kBF16) store_row(reinterpret_cast<vec::bf16_t*>(dst), src, n, 1.0f);
   else if (dt == DType::kF16) store_row(reinterpret_cast<vec::fp16_t*>(dst), src, n, 1.0f);
-  else std::memcpy(dst, src, n * sizeof(float));
+  else if (n > 0) std::memcpy(dst, src, n * sizeof(float));  // n = 0: src may be null
 }
 
 // dst[0, n) = e4m3(clamp(x[0, n) / div, -448, 448)) (NaN passes the clamp, like torch.clamp;

@@ -149,6 +149,7 @@ inline APanel pack_a_f32(const float* src, int64_t sm, int M, int64_t K, AElem* 
 inline void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t ldb,
                    uint16_t* dst) {
   const int64_t kp = cdiv(K, 2);
+  if (kp == 0) return;  // K = 0: nothing to pack (dst may be null)
   std::memset(dst, 0, static_cast<size_t>(kp * ldb * 2) * sizeof(uint16_t));
   for (int64_t k = 0; k < K; ++k) {
     uint16_t* d = dst + (k / 2) * ldb * 2 + (k & 1);
