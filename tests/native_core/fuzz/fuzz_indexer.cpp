@@ -148,7 +148,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<int32_t> out;
   std::vector<float> logits;
   if (topk_mode) {
-    out.assign(static_cast<size_t>(Tq * std::max<int64_t>(topk, 0)), -7);
+    // (never empty: a null out would read as the logits mode; the op layer refuses topk < 1)
+    out.assign(static_cast<size_t>(std::max<int64_t>(Tq * std::max<int64_t>(topk, 0), 1)), -7);
     P.out = out.data(), P.topk = topk, P.buf_logits = buf_logits;
   } else {
     logits.assign(static_cast<size_t>(Tq * lwidth), -kInf);

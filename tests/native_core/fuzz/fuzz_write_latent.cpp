@@ -46,7 +46,7 @@ void encode_row(uint8_t* dst, const float* c, const float* kp, int64_t r, int64_
       }
       std::memcpy(dst + soff + 4 * t, &sc, 4);
     }
-    std::memset(dst + r, 0, soff - r);
+    if (soff > r) std::memset(dst + r, 0, soff - r);
     for (int64_t j = 0; j < rope; ++j) put(dst + roff + j * dt_size(rdt), rdt, kp[j]);
   }
 }

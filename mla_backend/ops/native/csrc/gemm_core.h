@@ -70,6 +70,10 @@ constexpr int kAmxMinRows = 8;     // fewer rows than this: the vector kernel, n
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
+// p + n, where p may be the null data of an empty operand (nothing is read through it then;
+// null + n would be undefined)
+template <typename T>
+inline T* at(T* p, int64_t n) { return p ? p + n : p; }
 
 using mla_native::vec::VecF;
 using mla_native::vec::bf16_to_f32;
