@@ -121,7 +121,7 @@ inline APanel pack_a(const uint16_t* src, int64_t sm, int64_t sk, int M, int64_t
     AElem* d = buf + m * lda;
     int64_t k = 0;
     if (m < M) {
-      const uint16_t* s = src + m * sm;
+      const uint16_t* s = at(src, m * sm);
       if (sk == 1) {
         for (; k < K; ++k) d[k] = a_from_bf16(s[k]);
       } else {
@@ -157,7 +157,7 @@ inline void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64
   std::memset(dst, 0, static_cast<size_t>(kp * ldb * 2) * sizeof(uint16_t));
   for (int64_t k = 0; k < K; ++k) {
     uint16_t* d = dst + (k / 2) * ldb * 2 + (k & 1);
-    const uint16_t* s = src + k * sk;
+    const uint16_t* s = at(src, k * sk);
     for (int64_t n = 0; n < N; ++n) d[2 * n] = s[n * sn];
   }
 }
