@@ -168,7 +168,7 @@ struct LatentCall {
       bool ok = true;  // a bound only where every used id is >= 0 (the plan's check)
       for (int64_t i = 0; i < std::min(B, rows); ++i)
         if (cu[i + 1] > cu[i] && ps > 0 && kvl[i] > 0)
-          for (int64_t p = 0; p < std::min<int64_t>((static_cast<int64_t>(kvl[i]) + ps - 1) / ps, width); ++p) {
+          for (int64_t p = 0; p < std::min<int64_t>((static_cast<int64_t>(kvl[i]) + ps - 1) / ps, std::min(width, bt_s0)); ++p) {
             ok = ok && bt[i * bt_s0 + p] >= 0;
             mx = std::max<int64_t>(mx, bt[i * bt_s0 + p]);
           }
@@ -203,7 +203,7 @@ struct LatentCall {
     if (r >= 1 && ps >= 1)
       for (int64_t i = 0; i < std::min(B, rows); ++i) {
         if (cu[i + 1] <= cu[i]) continue;
-        const int64_t Li = std::min<int64_t>(kvl[i], width * ps);
+        const int64_t Li = std::min<int64_t>(kvl[i], std::min(width, bt_s0) * ps);  // (a malformed bt_s0 < width)
         for (int64_t pos = 0; pos < Li; ++pos) {
           const int64_t page = bt[i * bt_s0 + pos / ps];
           if (page >= 0 && page < np) fill_row(row_off(i, pos), g, specials);
