@@ -93,6 +93,7 @@ inline std::string write_latent(const WriteParams& W, const Parallel& par) {
   const std::string err = validate_slots(W.slots, W.T, W.num_pages * W.page_size);
   if (!err.empty()) return err;
   const int64_t D = W.r + W.rope;
+  if (D == 0) return {};  // rows of no bytes: nothing to write (the cache may have no data)
   const DsLayout dsl(W.r, W.rope, W.rope_dt == DType::kF32 ? 4 : 2);
   par.for_range(W.T, 64, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> row(D);
