@@ -83,9 +83,28 @@ def flags(level: str) -> list[str]:
     return [*isa.level_flags(level), f"-I{build._CSRC}", f"-I{FUZZ_DIR}", "-pthread", *FLAGS]
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def sources(src: Path) -> list[Path]:
+    """``src`` and every file it includes with ``#include "..."`` (found next to the including
+    file, in :data:`FUZZ_DIR` or in the kernels' ``csrc/``), transitively."""
+    seen: set[Path] = set()
+    todo = [src]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for name in _INCLUDE.findall(f.read_text()):
+            found = [d / name for d in (f.parent, FUZZ_DIR, build._CSRC) if (d / name).is_file()]
+            todo += found[:1]
+    return sorted(seen)
+
+
 def compile_target(target: str, level: str, out_dir: Path | None = None) -> Path:
     """``target`` built at ``level`` under ``out_dir`` (default :func:`cache_dir`; reused while
-    its sources and flags are the same); RuntimeError with the compiler's output on failure."""
+    its :func:`sources` and flags are the same); RuntimeError with the compiler's output on failure."""
     if target not in TARGETS:
         raise ValueError(f"unknown fuzz target {target!r}; use one of {', '.join(TARGETS)}")
     why = missing()
@@ -96,7 +115,7 @@ def compile_target(target: str, level: str, out_dir: Path | None = None) -> Path
     src = FUZZ_DIR / f"fuzz_{target}.cpp"
     cmd = [CXX, *flags(level), str(src)]
     h = hashlib.sha1(" ".join(cmd).encode())
-    for f in [src, *sorted(FUZZ_DIR.glob("*.h")), *sorted(build._CSRC.iterdir())]:
+    for f in sources(src):
         h.update(f.read_bytes())
     exe = out_dir / f"fuzz_{target}-{level}-{h.hexdigest()[:12]}"
     if not exe.exists():
