@@ -104,7 +104,8 @@ def sources(src: Path) -> list[Path]:
 
 def compile_target(target: str, level: str, out_dir: Path | None = None) -> Path:
     """``target`` built at ``level`` under ``out_dir`` (default :func:`cache_dir`; reused while
-    its :func:`sources` and flags are the same); RuntimeError with the compiler's output on failure."""
+    its :func:`sources` and flags are the same); RuntimeError with the compiler's output on
+    failure."""
     if target not in TARGETS:
         raise ValueError(f"unknown fuzz target {target!r}; use one of {', '.join(TARGETS)}")
     why = missing()
@@ -188,6 +189,27 @@ def run_target(
     )  # fmt: skip
 
 
+def merge_seeds(exe: Path, target: str, work: Path, keep: int = 48) -> int:
+    """Adds to the committed seeds of ``target`` up to ``keep`` inputs of ``work`` (the largest
+    of libFuzzer's ``-merge=1`` minimal set over seeds and work, which are not seeds yet);
+    returns how many it added."""
+    seeds = SEEDS / target
+    seeds.mkdir(parents=True, exist_ok=True)
+    tmp = work.parent / f"{target}.merge"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    subprocess.run(
+        [str(exe), "-merge=1", str(tmp), str(seeds), str(work)], capture_output=True,
+        env={**os.environ, **ENV}, check=True,
+    )  # fmt: skip
+    have = {p.name for p in seeds.iterdir()}
+    new = sorted((p for p in tmp.iterdir() if p.name not in have), key=lambda p: -p.stat().st_size)
+    for p in new[:keep]:
+        shutil.copy(p, seeds / p.name)
+    shutil.rmtree(tmp)
+    return len(new[:keep])
+
+
 def run_all(
     level: str,
     targets: Sequence[str] = TARGETS,
@@ -221,6 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--target", action="append", choices=TARGETS, help="repeatable; default all")
     ap.add_argument("--work", type=Path, default=WORK, help=f"working corpora (default {WORK})")
     ap.add_argument("--jobs", type=int, default=2, help="targets run at once (default 2)")
+    ap.add_argument(
+        "--merge-seeds", action="store_true",
+        help="afterwards add each target's most telling new inputs to its committed seeds",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     why = missing()
     if why:
@@ -243,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if o.failed:
                 failed = True
                 print(o.report, file=sys.stderr)
+            elif a.merge_seeds:
+                exe = compile_target(o.target, lvl)
+                n = merge_seeds(exe, o.target, a.work / lvl / o.target)
+                print(f"  {n} new seeds in {SEEDS / o.target}")
     return 1 if failed else 0
 
 
