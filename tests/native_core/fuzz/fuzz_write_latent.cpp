@@ -115,7 +115,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t rb = mode == core::kPlain ? (r + rope) * es
                    : mode == core::kFp8   ? r + rope
                                           : core::DsLayout(r, rope, dt_size(rdt)).width;
-  const int64_t c_s1 = rb + row_pad, c_s0 = ps * c_s1 + page_pad;
+  // padding in whole elements (plain: torch strides), 4 bytes for fp8_ds_mla rows (its float32
+  // scales and k_pe: an odd uint8 stride would misalign them)
+  const int64_t al = mode == core::kPlain ? es : (mode == core::kFp8 ? 1 : 4);
+  const int64_t c_s1 = rb + al * row_pad, c_s0 = ps * c_s1 + al * page_pad;
   const int64_t bytes = np > 0 ? (np - 1) * c_s0 + ps * c_s1 : 0;
   std::vector<uint8_t> cache(static_cast<size_t>(bytes));
   for (auto& b : cache) b = static_cast<uint8_t>(g.next());

@@ -197,8 +197,11 @@ struct LatentCall {
     rb = mode == core::kPlain ? std::max<int64_t>(r + rope, 0) * qes
        : mode == core::kFp8   ? std::max<int64_t>(r + rope, 0)
                               : core::DsLayout(std::max<int64_t>(r, 0), rope, qes).width;
-    c_s1 = rb + in.ConsumeIntegralInRange<int64_t>(0, 3);
-    c_s0 = std::max<int64_t>(ps, 0) * c_s1 + in.ConsumeIntegralInRange<int64_t>(0, 7);
+    // padding in whole elements of the cache's dtype (torch strides; fp8_ds_mla: 4 bytes, its
+    // scales' and k_pe's alignment -- see the report on odd uint8 strides)
+    const int64_t al = mode == core::kPlain ? qes : (mode == core::kFp8 ? 1 : 4);
+    c_s1 = rb + al * in.ConsumeIntegralInRange<int64_t>(0, 3);
+    c_s0 = std::max<int64_t>(ps, 0) * c_s1 + al * in.ConsumeIntegralInRange<int64_t>(0, 7);
     cache.assign(static_cast<size_t>(np > 0 ? (np - 1) * c_s0 + std::max<int64_t>(ps, 0) * c_s1 : 0), 0xFF);
     if (r >= 1 && ps >= 1)
       for (int64_t i = 0; i < std::min(B, rows); ++i) {
