@@ -16,10 +16,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // one call in 8 makes one dimension large
   const int big = in.ConsumeIntegralInRange<int>(0, 7) == 0 ? in.ConsumeIntegralInRange<int>(1, 4) : 0;
   const int64_t H = in.ConsumeIntegralInRange<int64_t>(1, 3);
-  const int64_t Lq = big == 1 ? in.ConsumeIntegralInRange<int64_t>(1, 100) : in.ConsumeIntegralInRange<int64_t>(1, 40);
-  const int64_t Lk = big == 2 ? in.ConsumeIntegralInRange<int64_t>(0, 150) : in.ConsumeIntegralInRange<int64_t>(0, 70);
-  const int64_t D = big == 3 ? in.ConsumeIntegralInRange<int64_t>(0, 200) : in.ConsumeIntegralInRange<int64_t>(0, 40);
-  const int64_t Dv = big == 4 ? in.ConsumeIntegralInRange<int64_t>(0, 200) : in.ConsumeIntegralInRange<int64_t>(0, 40);
+  const int64_t Lq = big == 1 ? in.ConsumeIntegralInRange<int64_t>(1, 100) : in.ConsumeIntegralInRange<int64_t>(1, 20);
+  const int64_t Lk = big == 2 ? in.ConsumeIntegralInRange<int64_t>(0, 150) : in.ConsumeIntegralInRange<int64_t>(0, 40);
+  const int64_t D = big == 3 ? in.ConsumeIntegralInRange<int64_t>(0, 200) : in.ConsumeIntegralInRange<int64_t>(0, 20);
+  const int64_t Dv = big == 4 ? in.ConsumeIntegralInRange<int64_t>(0, 200) : in.ConsumeIntegralInRange<int64_t>(0, 20);
   const bool causal = in.ConsumeBool();
   float scale = static_cast<float>(in.ConsumeIntegralInRange<int>(1, 64)) / 32.0f / std::sqrt(static_cast<float>(std::max<int64_t>(D, 1)));
   if (specials && in.ConsumeBool()) scale = in.ConsumeBool() ? special(g) : (in.ConsumeBool() ? 0.0f : -scale);

@@ -152,8 +152,8 @@ struct LatentCall {
       if (mal & 512) cu[i + 1] = cu[i] - 1;                                      // decreasing
       if (mal & 1024) cu[B] += 1;                                                // != T
       if (mal & 2048) kvl[i] = in.ConsumeBool() ? INT32_MAX : INT32_MIN;
-      if ((mal & 4096) && width > 0 && i < rows) {  // a page id out of range (or far out)
-        const int64_t p = in.ConsumeIntegralInRange<int64_t>(0, width - 1);
+      if ((mal & 4096) && std::min(width, bt_s0) > 0 && i < rows) {  // a page id out of range (or far out)
+        const int64_t p = in.ConsumeIntegralInRange<int64_t>(0, std::min(width, bt_s0) - 1);
         bt[i * bt_s0 + p] = in.ConsumeBool() ? static_cast<int32_t>(np + in.ConsumeIntegralInRange<int>(0, 2))
                                              : (in.ConsumeBool() ? -1 : INT32_MAX);
       }
