@@ -78,7 +78,7 @@ void run_sparse_item(const Params& P, const SparseIndex& S, const Item& it, Engi
   for (int m = 0; m < rows_pad; ++m) {
     if (m < rows) {
       const int64_t h = it.row0 + m;
-      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.qpe + (t * P.qp_s0 + h * P.qp_s1));
+      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.rope ? P.qpe + (t * P.qp_s0 + h * P.qp_s1) : P.qpe);  // rope 0: q_pe may be null
       lim[m] = nv;  // every selected row is visible
     } else {
       E.zero_q(m);
