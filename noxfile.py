@@ -158,8 +158,10 @@ def core(session: nox.Session) -> None:
 def cores(session: nox.Session) -> None:
     """The native kernels' torch-free cores through one C++ driver (tests/native_core/): every
     x86-64 ISA level of this CPU natively and under ASan/UBSan, every aarch64 level under
-    qemu-user (SVE levels at 128/256/512-bit vectors). First installs the cross compiler and
-    qemu-user with apt-get where they are missing and this is root (printing what it did)."""
+    qemu-user (SVE levels at 128/256/512-bit vectors), and their libFuzzer targets
+    (tests/native_core/fuzz/) time-boxed at every x86-64 level. First installs the cross
+    compiler, qemu-user, clang and its libFuzzer runtime with apt-get where they are missing and
+    this is root (printing what it did)."""
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("python", "-m", "mla_backend.testing.cross_tools")

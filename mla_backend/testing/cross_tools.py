@@ -1,8 +1,10 @@
-"""The aarch64 tools of the core harness (tests/native_core/): Debian's cross compiler
-``g++-aarch64-linux-gnu`` and ``qemu-user`` (``qemu-aarch64``), installed with apt-get where
-they are missing and this process may (root, apt-get present). ``python -m
-mla_backend.testing.cross_tools [--dry-run]`` prints what it found and what it did (or would do);
-it never fails: targets whose tools are still missing are skipped by the tests, naming them.
+"""The tools of the core harness (tests/native_core/) beyond the host compiler: Debian's
+aarch64 cross compiler ``g++-aarch64-linux-gnu`` and ``qemu-user`` (``qemu-aarch64``), and for
+the fuzz targets (tests/native_core/fuzz/) ``clang`` with its libFuzzer runtime
+(``libclang-rt-dev``, the default clang's), installed with apt-get where they are missing and
+this process may (root, apt-get present). ``python -m mla_backend.testing.cross_tools
+[--dry-run]`` prints what it found and what it did (or would do); it never fails: targets whose
+tools are still missing are skipped by the tests, naming them.
 """
 
 from __future__ import annotations
@@ -13,13 +15,34 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
-#: tool on PATH -> the Debian package that provides it
-PACKAGES = {"aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}
+LIBFUZZER = "libFuzzer"
+#: tool (on PATH, or :data:`LIBFUZZER`: clang++'s fuzzer runtime) -> the Debian package that
+#: provides it
+PACKAGES = {
+    "aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu",
+    "qemu-aarch64": "qemu-user",
+    "clang++": "clang",
+    LIBFUZZER: "libclang-rt-dev",
+}
+
+
+def fuzzer_runtime() -> str | None:
+    """The path of clang++'s libFuzzer runtime (x86-64), or None (no clang++, or no runtime)."""
+    cxx = shutil.which("clang++")
+    if cxx is None:
+        return None
+    res = subprocess.run(
+        [cxx, "-print-file-name=libclang_rt.fuzzer-x86_64.a"], capture_output=True, text=True
+    )
+    path = res.stdout.strip()
+    return path if os.path.isabs(path) and os.path.isfile(path) else None
 
 
 def missing_tools() -> list[str]:
-    """The tools of :data:`PACKAGES` not on PATH."""
-    return [t for t in PACKAGES if shutil.which(t) is None]
+    """The tools of :data:`PACKAGES` not present."""
+    return [
+        t for t in PACKAGES if (fuzzer_runtime() if t == LIBFUZZER else shutil.which(t)) is None
+    ]
 
 
 def install_commands(missing: list[str]) -> list[list[str]]:
@@ -42,14 +65,14 @@ def ensure(
     ``run`` (default: subprocess) runs one command and returns its exit status."""
     missing = missing_tools()
     if not missing:
-        return [f"cross tools present: {', '.join(PACKAGES)}"]
+        return [f"tools present: {', '.join(PACKAGES)}"]
     cmds = install_commands(missing)
     root = os.geteuid() == 0 if is_root is None else is_root
     if dry_run:
         return [f"missing {', '.join(missing)}; would run:"] + [" ".join(c) for c in cmds]
     if not root or shutil.which("apt-get") is None:
         why = "not root" if not root else "no apt-get"
-        return [f"missing {', '.join(missing)}; cannot install ({why}): aarch64 targets skip"]
+        return [f"missing {', '.join(missing)}; cannot install ({why}): their targets skip"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     run = run or (lambda c: subprocess.run(c, env=env).returncode)
     lines = []
@@ -59,7 +82,7 @@ def ensure(
         if rc != 0:
             break
     still = missing_tools()
-    lines.append(f"still missing: {', '.join(still)}" if still else "cross tools installed")
+    lines.append(f"still missing: {', '.join(still)}" if still else "tools installed")
     return lines
 
 

@@ -354,9 +354,10 @@ def _indexer(name: str, Hi: int, Di: int, prefix: list[int], new: list[int], pag
 
 def _sparse(name: str, H: int, prefix: list[int], new: list[int], page: int, qdt: torch.dtype,
             cdt: torch.dtype, K: int, *, seed: int = 0, threads: int = 1,
-            bad: int | None = None) -> Spec:  # fmt: skip
+            bad: int | None = None, bad_req: int | None = None) -> Spec:  # fmt: skip
     """The sparse attention core: index lists from the oracle's top-k of a DSA case, -1
-    padded and shuffled per token (``bad``: one entry past its request)."""
+    padded and shuffled per token (``bad``: one entry past its request; ``bad_req``: token 0
+    said to belong to that request, not its own)."""
     r, rope = 40, 8
     d = make_dsa_case(mb.MLADims(H, r, 8, rope, 8), mb.IndexerDims(4, 32, K), prefix, new,
                       page, dtype=qdt, cache_dtype=cdt, seed=seed, impl="torch")  # fmt: skip
@@ -374,6 +375,8 @@ def _sparse(name: str, H: int, prefix: list[int], new: list[int], page: int, qdt
     kvs = float(d.case.kv_scale) if d.case.kv_scale is not None else 1.0
     bt = d.case.batch.block_table.to(torch.int32)
     tok_req = [i for i, n in enumerate(new) for _ in range(n)]
+    if bad_req is not None:
+        tok_req[0] = bad_req
     fields: dict[str, cd.Field] = dict(
         op="sparse", qdt=DT_CODE[qdt], mode=2 if cdt == DS else (1 if cdt == FP8 else 0), H=H,
         r=r, rope=rope, B=len(prefix), T=T, page_size=page, num_pages=d.case.kv_cache.shape[0],
@@ -385,6 +388,8 @@ def _sparse(name: str, H: int, prefix: list[int], new: list[int], page: int, qdt
     )  # fmt: skip
     if bad is not None:
         return Spec(name, fields, _refused("index out of range: indices[0, 0] = "))
+    if bad_req is not None:
+        return Spec(name, fields, _refused(f"token 0 is not a query token of request {bad_req}"))
 
     def check(out: dict[str, bytes]) -> None:
         assert "error" not in out, out.get("error", b"").decode()
@@ -428,6 +433,8 @@ def _dsa_specs() -> list[Spec]:
     specs.append(_sparse("sparse-heads128-bf16", 128, [40, 300], [2, 1], 64, BF16, BF16, 64))
     specs.append(_sparse("sparse-splits-fp8", 16, [900], [1], 1, BF16, FP8, 600, threads=2))
     specs.append(_sparse("refuse-sparse-index", 4, *DSA_RAGGED, 16, F32, F32, 6, bad=10**6))
+    # token_req naming a request without query tokens: its block-table row is unchecked
+    specs.append(_sparse("refuse-sparse-token-req", 4, *DSA_RAGGED, 16, F32, F32, 6, bad_req=3))
     return specs
 
 

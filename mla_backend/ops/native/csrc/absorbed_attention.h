@@ -86,7 +86,7 @@ void run_item(const Params& P, const Item& it, Engine& E, int64_t* offs, float* 
       int64_t R = it.row0 + m;
       int64_t j = R / H, h = R % H;
       int64_t t = P.cu[i] + j;
-      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.qpe + (t * P.qp_s0 + h * P.qp_s1));
+      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.rope ? P.qpe + (t * P.qp_s0 + h * P.qp_s1) : P.qpe);  // rope 0: q_pe may be null
       lim[m] = L - n + j + 1;
       lim_max = std::max(lim_max, lim[m]);
       lim_min = std::min(lim_min, lim[m]);

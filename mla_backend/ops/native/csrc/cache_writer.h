@@ -21,7 +21,7 @@ namespace core {
 inline void store_as(char* dst, const float* src, int64_t n, DType dt) {
   if (dt == DType::kBF16) store_row(reinterpret_cast<vec::bf16_t*>(dst), src, n, 1.0f);
   else if (dt == DType::kF16) store_row(reinterpret_cast<vec::fp16_t*>(dst), src, n, 1.0f);
-  else std::memcpy(dst, src, n * sizeof(float));
+  else if (n > 0) std::memcpy(dst, src, n * sizeof(float));  // n = 0: src may be null
 }
 
 // dst[0, n) = e4m3(clamp(x[0, n) / div, -448, 448)) (NaN passes the clamp, like torch.clamp;
@@ -93,6 +93,7 @@ inline std::string write_latent(const WriteParams& W, const Parallel& par) {
   const std::string err = validate_slots(W.slots, W.T, W.num_pages * W.page_size);
   if (!err.empty()) return err;
   const int64_t D = W.r + W.rope;
+  if (D == 0) return {};  // rows of no bytes: nothing to write (the cache may have no data)
   const DsLayout dsl(W.r, W.rope, W.rope_dt == DType::kF32 ? 4 : 2);
   par.for_range(W.T, 64, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> row(D);
@@ -106,7 +107,7 @@ inline std::string write_latent(const WriteParams& W, const Parallel& par) {
         write_ds_row(reinterpret_cast<uint8_t*>(dst), c, kp, W.r, W.rope, dsl, W.rope_dt);
         continue;
       }
-      std::memcpy(row.data(), c, W.r * sizeof(float));
+      if (W.r) std::memcpy(row.data(), c, W.r * sizeof(float));  // r = 0: c may be null
       if (W.rope) std::memcpy(row.data() + W.r, kp, W.rope * sizeof(float));
       if (W.mode == kFp8)
         store_e4m3_row(reinterpret_cast<uint8_t*>(dst), row.data(), D, W.kv_scale);

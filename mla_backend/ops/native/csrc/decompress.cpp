@@ -51,7 +51,7 @@ struct DecompressArgs {
 void pack_latent_panels(const DecompressArgs& a, uint16_t* panels, int64_t p0, int64_t p1) {
   const int64_t kp = mla_core::cdiv(a.r, 2);
   for (int64_t p = p0; p < p1; ++p)
-    mla_core::pack_b(a.c_kv + p * kCols * a.sc, 1, a.sc, a.r, std::min(kCols, a.L - p * kCols), kCols,
+    mla_core::pack_b(mla_core::at(a.c_kv, p * kCols * a.sc), 1, a.sc, a.r, std::min(kCols, a.L - p * kCols), kCols,
                      panels + p * kp * kCols * 2);
 }
 
@@ -67,14 +67,14 @@ void decompress_items(const DecompressArgs& a, const uint16_t* panels, int64_t i
     const int64_t h = j / nchunk, ch = j % nchunk;
     const int64_t rows = is_v ? a.vdim : a.nope;
     // A[d, k]: W_UK[h, d, k] or W_UV[h, k, d]
-    const uint16_t* w = is_v ? a.w_uv + h * a.uv0 : a.w_uk + h * a.uk0;
+    const uint16_t* w = is_v ? mla_core::at(a.w_uv, h * a.uv0) : mla_core::at(a.w_uk, h * a.uk0);
     const int64_t sm = is_v ? a.uv2 : a.uk1, sk = is_v ? a.uv1 : a.uk2;
     uint16_t* out = is_v ? a.v + h * a.vdim : a.k + h * dk;
     const int64_t sl = is_v ? a.H * a.vdim : a.H * dk;  // output stride between tokens
     const int64_t pb = ch * kPanelsPerItem, pe = std::min(nlb, pb + kPanelsPerItem);
     for (int64_t d0 = 0; d0 < rows; d0 += mla_core::kMaxRows) {
       const int M = static_cast<int>(std::min<int64_t>(mla_core::kMaxRows, rows - d0));
-      const auto A = mla_core::pack_a(w + d0 * sm, sm, sk, M, a.r, abuf.data());
+      const auto A = mla_core::pack_a(mla_core::at(w, d0 * sm), sm, sk, M, a.r, abuf.data());
       for (int64_t p = pb; p < pe; ++p) {
         mla_core::gemm(A, panels + p * kp * kCols * 2, kCols, kCols, cbuf.data(), kCols, false);
         const int64_t n = std::min(kCols, a.L - p * kCols);

@@ -70,6 +70,10 @@ constexpr int kAmxMinRows = 8;     // fewer rows than this: the vector kernel, n
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return cdiv(a, b) * b; }
+// p + n, where p may be the null data of an empty operand (nothing is read through it then;
+// null + n would be undefined)
+template <typename T>
+inline T* at(T* p, int64_t n) { return p ? p + n : p; }
 
 using mla_native::vec::VecF;
 using mla_native::vec::bf16_to_f32;
@@ -117,7 +121,7 @@ inline APanel pack_a(const uint16_t* src, int64_t sm, int64_t sk, int M, int64_t
     AElem* d = buf + m * lda;
     int64_t k = 0;
     if (m < M) {
-      const uint16_t* s = src + m * sm;
+      const uint16_t* s = at(src, m * sm);
       if (sk == 1) {
         for (; k < K; ++k) d[k] = a_from_bf16(s[k]);
       } else {
@@ -149,10 +153,11 @@ inline APanel pack_a_f32(const float* src, int64_t sm, int M, int64_t K, AElem* 
 inline void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, int64_t ldb,
                    uint16_t* dst) {
   const int64_t kp = cdiv(K, 2);
+  if (kp == 0) return;  // K = 0: nothing to pack (dst may be null)
   std::memset(dst, 0, static_cast<size_t>(kp * ldb * 2) * sizeof(uint16_t));
   for (int64_t k = 0; k < K; ++k) {
     uint16_t* d = dst + (k / 2) * ldb * 2 + (k & 1);
-    const uint16_t* s = src + k * sk;
+    const uint16_t* s = at(src, k * sk);
     for (int64_t n = 0; n < N; ++n) d[2 * n] = s[n * sn];
   }
 }

@@ -40,7 +40,7 @@ void pack_heads_items(const uint16_t* w, int64_t K, int64_t N, uint16_t* packed,
   const int64_t nb = mla_core::cdiv(N, kCols), kp = mla_core::cdiv(K, 2);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t h = i / nb, blk = i % nb;
-    mla_core::pack_b(w + h * K * N + blk * kCols, N, 1, K, std::min(kCols, N - blk * kCols), kCols,
+    mla_core::pack_b(mla_core::at(w, h * K * N + blk * kCols), N, 1, K, std::min(kCols, N - blk * kCols), kCols,
                      packed + i * kp * kCols * 2);
   }
 }
@@ -62,7 +62,7 @@ void head_gemm_items(const uint16_t* x, int64_t sx0, int64_t sx1, int64_t T, int
     for (int64_t t0 = 0; t0 < T; t0 += mla_core::kMaxRows) {
       const int M = static_cast<int>(std::min<int64_t>(mla_core::kMaxRows, T - t0));
       if (h != packed_h || t0 != packed_t0) {  // T <= 32 (decode): once per head, not per block
-        a = mla_core::pack_a(x + t0 * sx0 + h * sx1, sx0, 1, M, K, abuf.data());
+        a = mla_core::pack_a(mla_core::at(x, t0 * sx0 + h * sx1), sx0, 1, M, K, abuf.data());
         packed_h = h;
         packed_t0 = t0;
       }

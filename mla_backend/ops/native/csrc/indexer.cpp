@@ -555,6 +555,7 @@ void indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tens
                   out.size(1) == topk,
               "out must be [T, topk] = [", P.T, ", ", topk, "] int32 contiguous, got ", out.scalar_type(), " ",
               out.sizes());
+  TORCH_CHECK(topk >= 1, "topk ", topk, " must be >= 1");  // (an empty out reads as logits mode)
   P.out = out.data_ptr<int32_t>();
   P.topk = topk;
   const std::string err = core::indexer(P, b, torch_parallel());

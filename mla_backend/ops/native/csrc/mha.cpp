@@ -59,10 +59,10 @@ void mha_pack_items(const MhaArgs& a, uint16_t* kpk, uint16_t* vpk, int64_t i0, 
   const int64_t nkb = a.nkb();
   for (int64_t it = i0; it < i1; ++it) {
     const int64_t h = it / nkb, kb = it % nkb, n = std::min(kCols, a.Lk - kb * kCols);
-    mla_core::pack_b(a.k + h * a.ks0 + kb * kCols * a.ks1, 1, a.ks1, a.D, n, kCols, kpk + it * a.kblk());
+    mla_core::pack_b(mla_core::at(a.k, h * a.ks0 + kb * kCols * a.ks1), 1, a.ks1, a.D, n, kCols, kpk + it * a.kblk());
     uint16_t* vp = vpk + it * a.vblk();
     std::memset(vp, 0, static_cast<size_t>(a.vblk()) * sizeof(uint16_t));
-    mla_core::pack_b(a.v + h * a.vs0 + kb * kCols * a.vs1, a.vs1, 1, n, a.Dv, a.dvp(), vp);
+    mla_core::pack_b(mla_core::at(a.v, h * a.vs0 + kb * kCols * a.vs1), a.vs1, 1, n, a.Dv, a.dvp(), vp);
   }
 }
 
@@ -113,7 +113,7 @@ void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk,
     std::fill(O.begin(), O.end(), 0.0f);
     std::fill(m, m + kBM, kNegInf);
     std::fill(l, l + kBM, 0.0f);
-    const auto Aq = mla_core::pack_a(a.q + h * a.qs0 + q0 * a.qs1, a.qs1, 1, M, a.D, aq.data());
+    const auto Aq = mla_core::pack_a(mla_core::at(a.q, h * a.qs0 + q0 * a.qs1), a.qs1, 1, M, a.D, aq.data());
     const int64_t kb_end = a.causal ? std::min(nkb, cdiv(std::min<int64_t>(q0 + M, a.Lk), kCols)) : nkb;
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       mla_core::gemm(Aq, kpk + (h * nkb + kb) * a.kblk(), kCols, kCols, S.data(), kCols, false);

@@ -37,12 +37,16 @@ struct SparseIndex {
   const int32_t* tok_req = nullptr;
 };
 
-// "" when every entry is -1 or a position of its token's request, else the first bad one.
+// "" when every token is one of its request's query tokens (cu_seqlens_q) and every entry is
+// -1 or a position of that request, else the first bad one.
 inline std::string validate_indices(const Params& P, const SparseIndex& S, int64_t T) {
   for (int64_t t = 0; t < T; ++t) {
     const int64_t req = S.tok_req[t];
     if (req < 0 || req >= P.B)
       return detail::cat("token ", t, " belongs to request ", req, ", not one of 0 .. ", P.B - 1);
+    if (t < P.cu[req] || t >= P.cu[req + 1])  // (validate() checked only its requests' rows)
+      return detail::cat("token ", t, " is not a query token of request ", req, " (its tokens: ", P.cu[req],
+                         " .. ", P.cu[req + 1] - 1, ")");
     const int64_t L = P.kvl[req];
     const int32_t* row = S.idx + t * S.idx_s0;
     for (int64_t c = 0; c < S.K; ++c)
@@ -73,7 +77,7 @@ void run_sparse_item(const Params& P, const SparseIndex& S, const Item& it, Engi
   for (int m = 0; m < rows_pad; ++m) {
     if (m < rows) {
       const int64_t h = it.row0 + m;
-      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.qpe + (t * P.qp_s0 + h * P.qp_s1));
+      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.rope ? P.qpe + (t * P.qp_s0 + h * P.qp_s1) : P.qpe);  // rope 0: q_pe may be null
       lim[m] = nv;  // every selected row is visible
     } else {
       E.zero_q(m);
