@@ -42,7 +42,7 @@ TARGETS = (
     "absorbed_attention",
     "sparse_attention",
     "indexer",
-    "mha_prefill",
+    "mha",
     "decompress",
     "head_gemm",
 )

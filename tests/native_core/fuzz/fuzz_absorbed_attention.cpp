@@ -1,7 +1,7 @@
 // libFuzzer target: core::absorbed_attention (absorbed_attention.h) on every engine this build
 // runs (the fp32 engine everywhere; the AVX512-BF16 engine at avx512_bf16 / amx; the AMX engine
 // where the CPU grants it), every q dtype and cache layout, fuzzed kv splits and threads. The
-// op layer (mla_cpu.cpp) checks ranks, dtypes, widths, softmax_scale, kv_scale and the engine
+// op layer (absorbed_attention.cpp) checks ranks, dtypes, widths, softmax_scale, kv_scale and the engine
 // bits, and passes num_kv_splits >= 0, B = kv_lens' length with cu_seqlens_q [B + 1], the block
 // table's shape and max_page_id as given (the plan's bound, or -1); the core checks the rest
 // (validate()). Checked here: refusal exactly when latent_case.h's reading of those rules says

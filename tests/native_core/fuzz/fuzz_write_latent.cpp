@@ -1,5 +1,5 @@
 // libFuzzer target: core::write_latent (cache_writer.h), every cache layout (q's dtype,
-// per-tensor e4m3, fp8_ds_mla). The op layer (mla_cpu.cpp, write_latent) checks the tensors'
+// per-tensor e4m3, fp8_ds_mla). The op layer (cache_write.cpp, write_latent) checks the tensors'
 // ranks, dtypes and row width and passes c_kv / k_pe widened to float32, slots as int64, a
 // cache with any row / page strides (last dim contiguous) and any kv_scale; the core checks
 // page_size and every slot (< 0: padding, >= the cache's rows: refused). Checked here: refusal

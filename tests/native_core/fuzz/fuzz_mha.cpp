@@ -1,11 +1,11 @@
-// libFuzzer target: the normal path's MHA core (mha_prefill.cpp: mha_pack_items then
+// libFuzzer target: the normal path's MHA core (mha.cpp: mha_pack_items then
 // mha_query_items, as attention_with_lse runs them). The op layer checks ranks, shapes, bf16 and
 // last-dim contiguity, returns early for H = 0 or Lq = 0, and passes any other strides (0
 // included), any Lk, D, Dv >= 0 and any scale. Checked here: o and lse against the fp64
 // attention (causal: key j visible to query i iff j <= i; no visible key: o = 0, lse = -inf)
 // where the values and scale are finite; inputs untouched.
 #include "fuzz_common.h"
-#include "mha_prefill.cpp"
+#include "mha.cpp"
 
 using namespace fz;
 
