@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from .cache_layout import CacheLayout
-from .checks import check_step
+from .checks import check_devices, check_scale, check_slots, check_step
 from .fp8 import FP8_DTYPE
 from .index_cache import IndexCacheLayout
 from .ops import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, SparseCall
@@ -111,7 +111,9 @@ def write_index_keys(
             :mod:`mla_backend.index_cache`) or bf16 / fp16 / fp32 [num_pages, page_size, Di],
             in place.
         k_I: [T, Di] bf16 / fp16 / fp32 keys (after the indexer's LayerNorm and RoPE).
-        slot_mapping: [>= T] int32 / int64 flat slot per token.
+        slot_mapping: [>= T] int32 / int64 flat slot per token (on the cache's device, as
+            ``k_I``); a slot ``>= num_pages * page_size`` is refused
+            (:func:`mla_backend.checks.check_slots`).
         layout: the cache's :class:`IndexCacheLayout` (default: from the tensor, quant block
             128, plain amax scales; pass ``IndexCacheLayout.named(..., scale_fmt="ue8m0")`` for
             power-of-two scales).
@@ -132,6 +134,10 @@ def write_index_keys(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} slots for {k_I.shape[0]} keys"
         )
+    check_devices(index_cache.device, "the index cache", k_I=k_I, slot_mapping=slot_mapping)
+    check_slots(
+        slot_mapping, k_I.shape[0], index_cache.shape[0] * index_cache.shape[1], "index cache"
+    )
     with torch.no_grad():
         get_impl(index_cache.device, impl).write_index_keys(
             IndexKeyWrite(index_cache, lay, k_I, slot_mapping)
@@ -180,9 +186,7 @@ def _check_indexer(
             f"block_table holds page id {plan.max_page_id} for a used page, but the index cache "
             f"has {index_cache.shape[0]} pages (valid ids 0..{index_cache.shape[0] - 1})"
         )
-    for name, t in (("q_I", q_I), ("weights", weights), ("index_cache", index_cache)):
-        if t.device.type != plan.device.type:
-            raise ValueError(f"{name} is on {t.device}, but the plan was made for {plan.device}")
+    check_devices(plan.device, "the plan", q_I=q_I, weights=weights, index_cache=index_cache)
     return lay, sparse
 
 
@@ -269,17 +273,20 @@ def sparse_absorbed_attention(
             per-tensor fp8 with ``kv_scale``, uint8 ``fp8_ds_mla``).
         plan: the step's plan, made with ``indexer=``.
         indices: [T, k] int32 / int64: logical positions within each token's request (any
-            order; each valid entry once), -1 = no entry. An index >= the request's kv length
+            order), -1 = no entry. A token attends to the *set* of its valid entries: a
+            position listed more than once counts once (every implementation drops the
+            repeats; no host read). An index >= the request's kv length
             (or < -1) is refused: the native CPU kernels raise naming it, before reading the
             cache; the torch / Triton paths refuse it with ``torch._assert_async`` (no host
             read: on the CPU it raises in the call, on a GPU it is a device-side assert that
             surfaces at the next synchronization).
-        softmax_scale: scale of ``q·k``.
+        softmax_scale: scale of ``q·k``, a finite float > 0.
         kv_scale: float32 scalar tensor of a per-tensor fp8 cache.
         out / lse: optional [T, H, r] (q's dtype) / [T, H] float32 contiguous outputs.
     Returns:
         (o_lat [T, H, r] in q's dtype, lse [T, H] float32, natural log); a token with no valid
-        index gets o = 0, lse = -inf.
+        index gets o = 0, lse = -inf. Non-finite inputs: as
+        :func:`mla_backend.absorbed_attention` (that token's result unspecified, no other).
     """
     sparse = _sparse_of(plan)
     layout: CacheLayout = check_step(
@@ -287,6 +294,8 @@ def sparse_absorbed_attention(
     )
     if q_lat.shape[-1] != plan.dims.kv_lora_rank:
         raise ValueError(f"q_lat width {q_lat.shape[-1]} != kv_lora_rank {plan.dims.kv_lora_rank}")
+    check_scale(softmax_scale)
+    check_devices(kv_cache.device, "the cache", indices=indices, out=out, lse=lse)
     T, H, r = q_lat.shape
     if indices.dim() != 2 or indices.shape[0] != T or indices.dtype not in (torch.int32,
                                                                               torch.int64):
