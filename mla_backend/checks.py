@@ -1,15 +1,16 @@
 """Validation of the public entry points' inputs: each call's query, cache and plan against each
 other, with errors that name the offending value and what is supported. Checks read shapes,
 dtypes, devices and the plan's host data only, never tensor contents, except
-:func:`check_slots`, which refuses out-of-range cache slots with ``torch._assert_async`` (no host
-read on success; on the CPU a refusal raises in the call, naming the slot, on a GPU it is a
-device-side assert). The one place a call's cache layout is resolved (:func:`check_cache`
-returns it for the implementation)."""
+:func:`check_slots` and :func:`check_kv_scale`, which refuse an out-of-range cache slot or a bad
+fp8 scale with ``torch._assert_async`` (no host read on success; on the CPU a refusal raises in
+the call, naming the value, on a GPU it is a device-side assert). The one place a call's cache
+layout is resolved (:func:`check_cache` returns it for the implementation)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,17 +49,45 @@ def check_slots(slot_mapping: torch.Tensor, n_tokens: int, n_slots: int, what: s
     if n_tokens == 0:
         return
     slots = slot_mapping[:n_tokens]
-    msg = f"slot_mapping holds a slot outside the {what} ({n_slots} slots; < 0 = padding)"
-    try:
-        torch._assert_async((slots < n_slots).all(), msg)
-    except RuntimeError:
-        if slots.device.type != "cpu":
-            raise
-        bad = int((slots >= n_slots).nonzero()[0, 0])  # the refusal path only
-        raise ValueError(
+
+    def named() -> str:
+        bad = int((slots >= n_slots).nonzero()[0, 0])
+        return (
             f"slot_mapping[{bad}] = {int(slots[bad])} is outside the {what}: it has {n_slots} "
             f"slots (valid 0 .. {n_slots - 1}; < 0 = padding)"
-        ) from None
+        )
+
+    _refuse_unless(
+        (slots < n_slots).all(),
+        f"slot_mapping holds a slot outside the {what} ({n_slots} slots; < 0 = padding)",
+        named,
+    )
+
+
+def check_kv_scale(kv_scale: torch.Tensor | None) -> None:
+    """A per-tensor fp8 scale must be finite and > 0 (the value is not read on the host:
+    :func:`check_slots`'s refusal)."""
+    if kv_scale is None:
+        return
+    if not kv_scale.dtype.is_floating_point:
+        raise ValueError(f"kv_scale dtype {kv_scale.dtype} is not supported; use float32")
+    _refuse_unless(
+        (torch.isfinite(kv_scale) & (kv_scale > 0)).all(),
+        "kv_scale must be finite and > 0",
+        lambda: f"kv_scale = {float(kv_scale.reshape(()))} must be finite and > 0",
+    )
+
+
+def _refuse_unless(ok: torch.Tensor, msg: str, named: Callable[[], str]) -> None:
+    """``torch._assert_async(ok, msg)``: no host read while ``ok`` holds; on the CPU a
+    refusal is a ValueError with ``named()``'s message (which reads the values, then only), on
+    a GPU a device-side assert."""
+    try:
+        torch._assert_async(ok, msg)
+    except RuntimeError:
+        if ok.device.type != "cpu":
+            raise
+        raise ValueError(named()) from None
 
 
 def check_cache(
@@ -97,6 +126,7 @@ def check_cache(
             f"kv_scale of shape {tuple(kv_scale.shape)} is not supported: the fp8 latent cache "
             "takes one per-tensor scale (use the fp8_ds_mla layout for per-token tile scales)"
         )
+    check_kv_scale(kv_scale)
     return layout
 
 

@@ -158,7 +158,9 @@ def _sparse_of(plan: MLAPlan) -> SparsePart:
 def _check_indexer(
     q_I: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, plan: MLAPlan,
     layout: IndexCacheLayout | None,
-) -> tuple[IndexCacheLayout, SparsePart]:  # fmt: skip
+) -> tuple[IndexCacheLayout, SparsePart, torch.Tensor]:  # fmt: skip
+    """Validate an indexer call; returns (the index cache's layout, the plan's DSA part, the
+    weights with a contiguous last dim)."""
     sparse = _sparse_of(plan)
     if q_I.dim() != 3 or q_I.dtype not in INDEX_Q_DTYPES:
         raise ValueError(
@@ -187,7 +189,9 @@ def _check_indexer(
             f"has {index_cache.shape[0]} pages (valid ids 0..{index_cache.shape[0] - 1})"
         )
     check_devices(plan.device, "the plan", q_I=q_I, weights=weights, index_cache=index_cache)
-    return lay, sparse
+    if Hi > 1 and weights.stride(1) != 1:  # any strides: the kernels read contiguous rows
+        weights = weights.contiguous()
+    return lay, sparse, weights
 
 
 def indexer_logits(
@@ -202,7 +206,7 @@ def indexer_logits(
 
     Args:
         q_I: [T, Hi, Di] bf16 / fp16 / fp32 / float8_e4m3fn (T == plan.num_tokens).
-        weights: [T, Hi] float32, every scale folded in (module docstring).
+        weights: [T, Hi] float32, every scale folded in (module docstring); any strides.
         index_cache: the paged index cache (:func:`write_index_keys`), already holding every
             request's keys, read through the plan's block table.
         plan: the step's plan, made with ``indexer=``.
@@ -210,7 +214,7 @@ def indexer_logits(
         float32 [T, max_kv_len]: ``I[s, t] = sum_h weights[s, h] * relu(q_I[s, h] . k_I[t])``
         for t <= the token's position, -inf elsewhere.
     """
-    lay, sparse = _check_indexer(q_I, weights, index_cache, plan, layout)
+    lay, sparse, weights = _check_indexer(q_I, weights, index_cache, plan, layout)
     with torch.no_grad():
         return plan.impl.indexer_logits(
             IndexerCall(q_I, weights, index_cache, lay, plan.step, sparse)
@@ -238,7 +242,7 @@ def indexer_topk(
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk={topk!r} is not supported: it must be an int >= 1")
-    lay, sparse = _check_indexer(q_I, weights, index_cache, plan, layout)
+    lay, sparse, weights = _check_indexer(q_I, weights, index_cache, plan, layout)
     T = q_I.shape[0]
     if out is not None and (
         out.dtype != torch.int32 or tuple(out.shape) != (T, topk) or not out.is_contiguous()

@@ -228,6 +228,23 @@ def test_softmax_scale_is_checked(kernels: object, scale, error: type) -> None:
             mb.MLAAttention(DIMS, c.weights, scale)
 
 
+# ---- found by the fuzzer: a per-tensor fp8 scale that is not finite and > 0 ------------------
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_a_bad_kv_scale_is_refused(kernels: object, value: float) -> None:
+    cache = torch.zeros(2, 4, 12, dtype=mb.FP8_DTYPE)
+    before = cache.clone()
+    with pytest.raises(ValueError, match=rf"kv_scale = {value} must be finite and > 0"):
+        mb.write_latent(cache, torch.ones(1, 8), torch.ones(1, 4), torch.tensor([1]),
+                        torch.tensor(value), impl=kernels)  # fmt: skip
+    assert _same_bytes(cache, before)
+    batch = mb.MLABatch.build([1], [1], torch.tensor([[0]], dtype=torch.int32), 4)
+    dims = mb.MLADims(1, 8, 4, 4, 4)
+    plan = mb.plan(batch, dims, mb.Policy("absorb"), impl=kernels)
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        mb.absorbed_attention(torch.ones(1, 1, 8), torch.ones(1, 1, 4), cache, plan, 0.5,
+                              torch.tensor(value))  # fmt: skip
+
+
 # ---- the native build's name covers what the binary depends on -------------------------------
 @pytest.mark.parametrize(
     "change",

@@ -11,7 +11,7 @@ import pytest
 from mla_backend.testing.fuzz import TARGETS, run_target
 
 #: examples per target and implementation (the time box: well under 60 s per implementation)
-EXAMPLES = {"write_latent": 60, "absorbed": 60, "dsa": 40, "merge": 40}
+EXAMPLES = {"write_latent": 60, "write_index_keys": 60, "absorbed": 60, "dsa": 40, "merge": 40}
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

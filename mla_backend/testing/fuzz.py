@@ -105,16 +105,34 @@ def _close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
             raise FuzzFailure(f"{what}: max error {err:.3g} > {tol * scale:.3g}:\n{o}\n{r}")
 
 
-def _randn(draw: Draw, *shape: int, specials: bool = True) -> torch.Tensor:
-    """A float32 tensor of standard normals (seeded by the draw), sometimes holding one NaN,
-    +inf or -inf."""
+def _randn(
+    draw: Draw, *shape: int, specials: bool | tuple[float, ...] = True
+) -> torch.Tensor:
+    """A float32 tensor of standard normals (seeded by the draw), sometimes holding one of
+    ``specials`` (True: NaN, +inf, -inf)."""
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     x = torch.randn(*shape, generator=g)
-    if specials and x.numel() and draw(st.integers(0, 9)) == 0:
-        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(
-            st.sampled_from([math.nan, math.inf, -math.inf])
-        )
+    values = (math.nan, math.inf, -math.inf) if specials is True else specials or ()
+    if values and x.numel() and draw(st.integers(0, 9)) == 0:
+        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from(values))
     return x
+
+
+def _slots(draw: Draw, T: int, n_rows: int) -> tuple[list[int], str | None]:
+    """T slots of a cache of n_rows: distinct valid ones, padding (< 0), out of range; and
+    what is wrong (None when every slot is valid or padding)."""
+    free = draw(st.permutations(range(n_rows))) if n_rows else []
+    slots, bad = [], None
+    for t in range(T):
+        what = draw(st.sampled_from(["valid", "valid", "valid", "pad", "oob"]))
+        if what == "valid" and t < len(free):
+            slots.append(free[t])
+        elif what == "oob":
+            slots.append(n_rows + draw(st.sampled_from([0, 1, 7, 2**31 - 1 - n_rows])))
+            bad = f"slot {slots[-1]} outside a cache of {n_rows} rows"
+        else:
+            slots.append(draw(st.sampled_from([-1, -5, -(2**31)])))
+    return slots, bad
 
 
 # ---- a paged latent cache and its values -----------------------------------------------------
@@ -258,17 +276,7 @@ def fuzz_write_latent(draw: Draw, impl: Any) -> None:
                               dtype=torch.uint8)  # fmt: skip
         kv_scale = None
     T = draw(st.integers(0, 5))
-    free = draw(st.permutations(range(n_rows))) if n_rows else []
-    slots, bad = [], None
-    for t in range(T):
-        what = draw(st.sampled_from(["valid", "valid", "valid", "pad", "oob"]))
-        if what == "valid" and t < len(free):
-            slots.append(free[t])
-        elif what == "oob":
-            slots.append(n_rows + draw(st.sampled_from([0, 1, 7, 2**31 - 1 - n_rows])))
-            bad = f"slot {slots[-1]} outside a cache of {n_rows} rows"
-        else:
-            slots.append(draw(st.sampled_from([-1, -5, -(2**31)])))
+    slots, bad = _slots(draw, T, n_rows)
     c_kv = _randn(draw, T, r, specials=kind != "fp8_ds_mla").to(cdt)
     k_pe = _randn(draw, T, rope, specials=kind != "fp8_ds_mla").to(cdt)
     sm = torch.tensor(slots + [draw(st.integers(-3, n_rows + 3))] * draw(st.integers(0, 1)),
@@ -299,8 +307,10 @@ def fuzz_write_latent(draw: Draw, impl: Any) -> None:
         c_kv = torch.cat([c_kv, c_kv[:, :1]], 1)
         bad = "a c_kv wider than the cache's r"
     elif how == "scale" and kind == "fp8":
-        kv_scale = torch.ones(2)
-        bad = "a kv_scale of two elements"
+        kv_scale = draw(st.sampled_from([torch.ones(2), torch.tensor(0.0), torch.tensor(-2.0),
+                                         torch.tensor(math.nan), torch.tensor(math.inf),
+                                         torch.tensor(1, dtype=torch.int32)]))  # fmt: skip
+        bad = f"kv_scale {kv_scale}"
     before = cache.clone()
     res = expect(lambda: mb.write_latent(cache, c_kv, k_pe, sm, kv_scale, impl=impl), bad, cache)
     if bad is not None or res is not None:
@@ -329,6 +339,72 @@ def fuzz_write_latent(draw: Draw, impl: Any) -> None:
     a, b = got.float(), want.float()
     if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))):
         raise FuzzFailure(f"write_latent ({kind}) stored\n{got}\nnot\n{want}")
+
+
+def fuzz_write_index_keys(draw: Draw, impl: Any) -> None:
+    """``write_index_keys``: vLLM's fp8 layout (plain and ue8m0 scales) and plain caches; slots
+    valid, padding, out of range; wrong dtypes, ranks, devices, token counts; +-inf keys (NaN
+    too in a plain cache). Written keys read back as the writer rule stores them (vLLM's, as
+    :func:`~mla_backend.testing.cases.index_fp8_dequantized` writes it plainly), every other
+    slot bit-identical."""
+    Di = draw(st.sampled_from([8, 16]))
+    kind = draw(st.sampled_from(["fp8", "fp8", "plain"]))
+    cdt = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    fmt = draw(st.sampled_from([None, "ue8m0"]))
+    lay = (IndexCacheLayout.named("fp8", Di, draw(st.sampled_from([Di, Di // 2])), scale_fmt=fmt)
+           if kind == "fp8" else IndexCacheLayout("plain", Di, 0, cdt))  # fmt: skip
+    P, ps = draw(st.integers(0, 3)), draw(st.integers(1, 4))
+    n_rows = P * ps
+    cache = torch.randint(0, 256, (P, ps, lay.width * lay.dtype.itemsize), dtype=torch.uint8)
+    cache = cache.view(lay.dtype)
+    T = draw(st.integers(0, 5))
+    slots, bad = _slots(draw, T, n_rows)
+    k = _randn(draw, T, Di, specials=(math.inf, -math.inf) if kind == "fp8" else True).to(cdt)
+    sm = torch.tensor(slots, dtype=draw(st.sampled_from([torch.int32, torch.int64])))
+    how = draw(st.sampled_from(["ok"] * 8 + ["k_dtype", "slot_dtype", "rank", "meta", "short",
+                                             "width"]))
+    if how == "k_dtype":
+        k = k.to(draw(st.sampled_from([torch.float64, torch.int32, FP8])))
+        bad = f"k_I dtype {k.dtype}"
+    elif how == "slot_dtype":
+        sm = sm.float()
+        bad = "a float slot_mapping"
+    elif how == "rank":
+        k = k[None]
+        bad = "a 3-D k_I"
+    elif how == "meta":
+        k, sm, bad = (k.to("meta"), sm, "k_I on meta") if draw(st.booleans()) else (
+            k, sm.to("meta"), "slot_mapping on meta")  # fmt: skip
+    elif how == "short" and T:
+        sm = sm[: T - 1]
+        bad = "a slot_mapping shorter than T"
+    elif how == "width":
+        k = torch.cat([k, k[:, :1]], 1)
+        bad = "keys wider than the layout's index_head_dim"
+    before = cache.clone()
+    expect(lambda: mb.write_index_keys(cache, k, sm, lay, impl=impl), bad, cache)
+    if bad is not None:
+        return
+    values, scales = lay.page_views(cache)
+    old_v, old_s = lay.page_views(before)
+    written = {sl: t for t, sl in enumerate(slots) if sl >= 0}
+    for sl in range(n_rows):
+        pg, off = divmod(sl, ps)
+        if sl not in written:
+            same = _same_bits(values[pg, off], old_v[pg, off]) and (
+                scales is None or _same_bits(scales[pg, off], old_s[pg, off]))  # fmt: skip
+            if not same:
+                raise FuzzFailure(f"write_index_keys changed slot {sl}, which it does not address")
+            continue
+        key = k[written[sl] : written[sl] + 1]
+        if kind == "plain":
+            got, want = values[pg, off].double(), key[0].double()
+        else:
+            got = lay.decode(values[pg, off][None], scales[pg, off][None])[0].double()
+            want = index_fp8_dequantized(key, lay.quant_block_size, fmt == "ue8m0")[0].double()
+        if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0),
+                                                                       want.nan_to_num(0))):
+            raise FuzzFailure(f"slot {sl} reads back {got.tolist()}, not {want.tolist()}")
 
 
 def _oracle_absorbed(st_: Step, values: torch.Tensor, q: torch.Tensor, r: int, scale: float):
@@ -362,12 +438,17 @@ def fuzz_absorbed(draw: Draw, impl: Any) -> None:
     q_nope = _randn(draw, T, H, nope).to(cdt)
     q_lat = _randn(draw, T, H, r).to(cdt)
     q_pe = _randn(draw, T, H, rope).to(cdt)
+    if draw(st.booleans()):  # a view with odd strides (the last dim contiguous or not)
+        q_lat = torch.cat([q_lat, q_lat], -1)[..., ::2] if draw(st.booleans()) else (
+            q_lat.transpose(0, 1).contiguous().transpose(0, 1))  # fmt: skip
     scale: Any = draw(st.sampled_from([dims.default_softmax_scale, 0.05, 1.0]))
     W_UK = (_randn(draw, H, nope, r, specials=False) / 2).to(cdt)
     W_UV = (_randn(draw, H, r, v, specials=False) / 2).to(cdt)
     bad = s.bad
+    if kind == "fp8" and draw(st.integers(0, 4)) == 0:  # no scale: 1.0
+        values, kv_scale = values / kv_scale.double(), None
     how = draw(st.sampled_from(["ok"] * 8 + ["scale", "tokens", "heads", "dtype", "meta",
-                                             "rope", "cache_width"]))
+                                             "rope", "cache_width", "kv_scale"]))
     if how == "scale":
         scale = draw(st.sampled_from([None, 0.0, -1.0, math.nan, math.inf, "0.1"]))
         bad = bad or f"softmax_scale {scale!r}"
@@ -390,6 +471,9 @@ def fuzz_absorbed(draw: Draw, impl: Any) -> None:
     elif how == "rope":
         q_pe = torch.cat([q_pe, q_pe[..., :1]], -1) if rope else torch.zeros(T, H, 1, dtype=cdt)
         bad = bad or "a q_pe wider than qk_rope_head_dim"
+    elif how == "kv_scale" and kind == "fp8":
+        kv_scale = torch.tensor(draw(st.sampled_from([0.0, -1.0, math.nan, math.inf])))
+        bad = bad or f"kv_scale {kv_scale}"
     elif how == "cache_width":
         cache = torch.cat([cache, cache[..., :1]], -1)
         values = None
@@ -453,12 +537,15 @@ def fuzz_dsa(draw: Draw, impl: Any) -> None:
            if ikind == "fp8" else IndexCacheLayout("plain", Di, 0, cdt))  # fmt: skip
     icache = torch.zeros(s.num_pages, ps, lay.width, dtype=lay.dtype)
     n = s.num_pages * ps
-    keys = _randn(draw, n, Di, specials=False).to(cdt)
+    keys = _randn(draw, n, Di, specials=(math.inf, -math.inf) if ikind == "fp8" else True)
+    keys = keys.to(cdt)
     expect(lambda: mb.write_index_keys(icache, keys, torch.arange(n), lay, impl=impl), None)
     read = index_fp8_dequantized(keys, lay.quant_block_size) if ikind == "fp8" else keys.float()
     T = s.num_tokens
     q_I = _randn(draw, T, Hi, Di).to(cdt)
     w = _randn(draw, T, Hi).abs()
+    if draw(st.booleans()):  # any strides: [Hi, T] transposed
+        w = w.t().contiguous().t()
     topk = draw(st.sampled_from([1, 2, 3, 40, 0, -1]))
     ix = mb.IndexerDims(Hi, Di, max(topk, 1))
     bad = s.bad
@@ -477,8 +564,9 @@ def fuzz_dsa(draw: Draw, impl: Any) -> None:
         tol = mag * 2.0**-7 + 1e-6  # q and k rounded to bf16 once each, at most
         _check_logits(lg, ref, tol)
         if tbad is None:
-            nan_low = torch.where(torch.isnan(ref), -1e300, ref)  # a NaN ranks below numbers
-            check_topk(idx, nan_low, topk, torch.where(torch.isnan(tol), 0.0, tol))
+            # a NaN ranks below every number, +inf above (both visible)
+            ranked = torch.nan_to_num(ref, nan=-1e300, posinf=1e300, neginf=-math.inf)
+            check_topk(idx, ranked, topk, torch.where(torch.isfinite(tol), tol, 0.0))
     # the sparse attention over drawn index lists
     k = draw(st.integers(0, 5))
     lens = [p + m for p, m in zip(s.prefix, s.new, strict=True) for _ in range(max(m, 0))]
@@ -562,6 +650,7 @@ def fuzz_merge(draw: Draw, impl: Any) -> None:
 #: every target, by name
 TARGETS: dict[str, Callable[[Draw, Any], None]] = {
     "write_latent": fuzz_write_latent,
+    "write_index_keys": fuzz_write_index_keys,
     "absorbed": fuzz_absorbed,
     "dsa": fuzz_dsa,
     "merge": fuzz_merge,
