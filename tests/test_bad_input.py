@@ -17,6 +17,7 @@ from mla_backend.index_cache import IndexCacheLayout
 from mla_backend.ops.native import build
 from mla_backend.testing.cases import make_case, make_dsa_case
 from mla_backend.testing.reference import (
+    plain_attention,
     reference_indexer_logits,
     reference_sparse_attention,
     reference_topk,
@@ -243,6 +244,26 @@ def test_a_bad_kv_scale_is_refused(kernels: object, value: float) -> None:
     with pytest.raises(ValueError, match="must be finite and > 0"):
         mb.absorbed_attention(torch.ones(1, 1, 8), torch.ones(1, 1, 4), cache, plan, 0.5,
                               torch.tensor(value))  # fmt: skip
+
+
+# ---- found by the fuzzer: a query whose last dim is strided (torch's flash kernel's LSE) -------
+@pytest.mark.parametrize("rope", [0, 4])
+def test_a_strided_query_gives_the_oracle_lse(kernels: object, rope: int) -> None:
+    dims = mb.MLADims(2, 8, 4, rope, 4)
+    cache = torch.randn(2, 4, 8 + rope)
+    batch = mb.MLABatch.build([0, 5], [1, 1], torch.tensor([[1, 0], [0, 1]], dtype=torch.int32),
+                              4)  # fmt: skip
+    plan = mb.plan(batch, dims, mb.Policy("absorb"), impl=kernels)
+    wide = torch.randn(2, 2, 16)
+    q_lat, q_pe = wide[..., ::2], torch.randn(2, 2, rope)  # q_lat's last dim has stride 2
+    o, lse = mb.absorbed_attention(q_lat, q_pe, cache, plan, 0.3)
+    rows = cache.view(8, -1).double()
+    for t, (prefix, table) in enumerate(((0, [1]), (5, [0, 1]))):
+        kv = torch.cat([rows[p * 4 : p * 4 + 4] for p in table])[: prefix + 1]
+        q = torch.cat([q_lat[t : t + 1], q_pe[t : t + 1]], -1)
+        ref_o, ref_lse = plain_attention(q, kv[:, None], kv[:, None, :8], prefix, 0.3, None)
+        torch.testing.assert_close(o[t].double(), ref_o[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse[t].double(), ref_lse[0], rtol=1e-4, atol=1e-5)
 
 
 # ---- the native build's name covers what the binary depends on -------------------------------

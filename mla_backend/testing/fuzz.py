@@ -702,8 +702,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a finding: logged, kept in the database, run goes on
                 findings += 1
                 with open(folder / "findings.log", "a") as f:
+                    notes = "\n".join(getattr(e, "__notes__", []))  # the drawn case
                     f.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} {name} {args.impl}\n"
-                            f"{type(e).__name__}: {e}\n")  # fmt: skip
+                            f"{type(e).__name__}: {e}\n{notes}\n")  # fmt: skip
                 print(f"finding in {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             if time.monotonic() >= end:
                 break
