@@ -64,10 +64,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def expect(fn: Callable[[], Any], bad: str | None, *watch: torch.Tensor) -> Any:
+def expect(
+    fn: Callable[[], Any], bad: str | None, *watch: torch.Tensor, writes: bool = False
+) -> Any:
     """Run ``fn``: a malformed case (``bad`` says how) must be refused with a message and write
-    none of ``watch``; a valid one (``bad`` None) must not be refused. Returns fn's result, or
-    None after a refusal."""
+    none of ``watch``; a valid one (``bad`` None) must not be refused, nor write ``watch``
+    unless it ``writes`` (a cache writer; its target checks what it wrote). Returns fn's
+    result, or None after a refusal."""
     before = [w.clone() for w in watch]
     try:
         out = fn()
@@ -82,6 +85,8 @@ def expect(fn: Callable[[], Any], bad: str | None, *watch: torch.Tensor) -> Any:
         return None
     if bad is not None:
         raise FuzzFailure(f"silent acceptance: {bad}")
+    if not writes and not all(_same_bits(w, b) for w, b in zip(watch, before, strict=True)):
+        raise FuzzFailure("a call that reads a cache wrote into it")
     return out
 
 
@@ -312,7 +317,8 @@ def fuzz_write_latent(draw: Draw, impl: Any) -> None:
                                          torch.tensor(1, dtype=torch.int32)]))  # fmt: skip
         bad = f"kv_scale {kv_scale}"
     before = cache.clone()
-    res = expect(lambda: mb.write_latent(cache, c_kv, k_pe, sm, kv_scale, impl=impl), bad, cache)
+    res = expect(lambda: mb.write_latent(cache, c_kv, k_pe, sm, kv_scale, impl=impl), bad, cache,
+                 writes=True)  # fmt: skip
     if bad is not None or res is not None:
         return
     want = before.clone().view(n_rows, cache.shape[-1])
@@ -382,7 +388,7 @@ def fuzz_write_index_keys(draw: Draw, impl: Any) -> None:
         k = torch.cat([k, k[:, :1]], 1)
         bad = "keys wider than the layout's index_head_dim"
     before = cache.clone()
-    expect(lambda: mb.write_index_keys(cache, k, sm, lay, impl=impl), bad, cache)
+    expect(lambda: mb.write_index_keys(cache, k, sm, lay, impl=impl), bad, cache, writes=True)
     if bad is not None:
         return
     values, scales = lay.page_views(cache)
@@ -593,7 +599,7 @@ def fuzz_dsa(draw: Draw, impl: Any) -> None:
     scale = dims.default_softmax_scale
     sbad = bad or sbad
     out = expect(lambda: mb.sparse_absorbed_attention(q_lat, q_pe, cache, plan(), indices, scale,
-                                                      kv_scale), sbad, cache)  # fmt: skip
+                                                      kv_scale), sbad, cache, icache)  # fmt: skip
     if sbad is not None:
         return
     c_seqs = [values[s.rows(i), :r] for i in range(len(s.new))]
