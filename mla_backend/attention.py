@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 
 from .cache_layout import CacheLayout
-from .checks import check_cache, check_step
+from .checks import (
+    QUERY_DTYPES,
+    check_cache,
+    check_devices,
+    check_kv_scale_device,
+    check_scale,
+    check_slots,
+    check_step,
+)
 from .dims import MLADims
 from .normal import DEFAULT_CHUNK_TOKENS, normal_attention_part
 from .ops import AbsorbedCall, KernelImpl, LatentWrite
@@ -34,14 +42,25 @@ def write_latent(
         kv_cache: [num_pages, page_size, r + rope] bf16/fp16/fp32/float8_e4m3fn, or uint8
             [num_pages, page_size, bytes] in the ``fp8_ds_mla`` layout
             (:mod:`mla_backend.cache_layout`), in place.
-        c_kv: [T, r]; k_pe: [T, rope]; slot_mapping: [>= T] int32/int64 flat slot per token.
+        c_kv: [T, r]; k_pe: [T, rope]; bf16/fp16/fp32, on the cache's device.
+        slot_mapping: [>= T] int32/int64 flat slot per token, on the cache's device; a slot
+            ``>= num_pages * page_size`` is refused (:func:`mla_backend.checks.check_slots`:
+            a ValueError naming it on the CPU, a device-side assert on a GPU).
         kv_scale: float32 scalar tensor for an fp8 cache (stored = value / scale).
         impl: kernel implementation override (default: the device's resolved selection,
             :func:`mla_backend.selection.resolve`).
     """
+    for name, t in (("c_kv", c_kv), ("k_pe", k_pe)):
+        if t.dtype not in QUERY_DTYPES:
+            raise ValueError(
+                f"{name} dtype {t.dtype} is not supported; use bfloat16, float16 or float32"
+            )
     layout = check_cache(kv_cache, c_kv.shape[-1], k_pe.shape[-1], kv_scale, c_kv.dtype)
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping dtype {slot_mapping.dtype} is not supported; use int32/64")
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.dim() != 1:
+        raise ValueError(
+            f"slot_mapping {slot_mapping.dtype} {tuple(slot_mapping.shape)} is not supported: "
+            "[>= T] int32/int64"
+        )
     if c_kv.dim() != 2 or k_pe.dim() != 2:
         raise ValueError(
             f"c_kv {tuple(c_kv.shape)} and k_pe {tuple(k_pe.shape)} must be [T, r] and [T, rope]"
@@ -51,6 +70,9 @@ def write_latent(
             f"c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)} and slot_mapping "
             f"{tuple(slot_mapping.shape)} disagree on the number of tokens"
         )
+    check_devices(kv_cache.device, "the cache", c_kv=c_kv, k_pe=k_pe, slot_mapping=slot_mapping)
+    check_kv_scale_device(kv_scale, kv_cache.device)
+    check_slots(slot_mapping, c_kv.shape[0], kv_cache.shape[0] * kv_cache.shape[1], "cache")
     get_impl(kv_cache.device, impl).write_latent(
         LatentWrite(kv_cache, layout, c_kv, k_pe, slot_mapping, kv_scale)
     )
@@ -87,19 +109,22 @@ def absorbed_attention(
             bf16/fp16/fp32; T == plan.num_tokens.
         kv_cache: [num_pages, page_size, r + rope], already holding all kv tokens.
         plan: the step's :class:`~mla_backend.plan.MLAPlan`.
-        softmax_scale: scale of ``q·k``.
+        softmax_scale: scale of ``q·k``, a finite float > 0 (anything else is refused).
         kv_scale: float32 scalar tensor of an fp8 cache.
         out: optional [T, H, r] buffer in q_lat's dtype (any strides) for ``o_lat``.
         lse: optional [T, H] float32 buffer (any strides) for the log-sum-exp.
     Returns:
         (o_lat [T, H, r] in q_lat's dtype, lse [T, H] float32, natural log): ``out`` / ``lse``
-        when given.
+        when given. A NaN / inf in a query or in a cache row a token attends makes that token's
+        (head's) result unspecified (NaN, or o = 0 / lse = -inf, by implementation); every
+        other token's result and all memory outside the outputs are unaffected.
     """
     layout = check_step(q_lat, q_pe, kv_cache, plan, q_lat.shape[-1] + q_pe.shape[-1], kv_scale)
     if q_lat.shape[-1] != plan.dims.kv_lora_rank:
         raise ValueError(
             f"q_lat width {q_lat.shape[-1]} != kv_lora_rank {plan.dims.kv_lora_rank}"
         )
+    check_scale(softmax_scale)
     _check_out("out", out, tuple(q_lat.shape), q_lat.dtype, q_lat.device)
     _check_out("lse", lse, tuple(q_lat.shape[:2]), torch.float32, q_lat.device)
     call = AbsorbedCall(
@@ -156,6 +181,7 @@ def normal_attention(
         (o [T, H, v] in q_nope's dtype, lse [T, H] float32).
     """
     layout = _check_normal(q_nope, q_pe, kv_cache, plan, weights, kv_scale, chunk_tokens)
+    check_scale(softmax_scale)
     with torch.no_grad():
         return normal_attention_part(
             q_nope, q_pe, kv_cache, layout, plan.step, weights, softmax_scale, kv_scale,
@@ -204,6 +230,7 @@ class MLAAttention:
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else dims.default_softmax_scale
         )
+        check_scale(self.softmax_scale)
         self.chunk_tokens = chunk_tokens
 
     def __call__(

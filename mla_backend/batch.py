@@ -65,7 +65,8 @@ class MLABatch:
         block_table_host: optional host (CPU) copy of ``block_table`` that the engine already
             has; the plan validates page ids from it (never by copying device data back) and
             the torch path uses it to find consecutive pages. When ``block_table`` is on the
-            CPU it is its own host copy.
+            CPU it is its own host copy: the plan reads the table the kernels read, and a
+            ``block_table_host`` that differs from it is refused.
     """
 
     prefix_lens: list[int]
@@ -131,6 +132,18 @@ class MLABatch:
                 f"block_table_host must be a CPU copy of block_table {tuple(block_table.shape)}, "
                 f"got {tuple(block_table_host.shape)} on {block_table_host.device}"
             )
+        if (
+            block_table_host is not None
+            and block_table.device.type == "cpu"
+            and block_table_host is not block_table
+            and not torch.equal(block_table_host.long(), block_table.long())
+        ):
+            at = (block_table_host.long() != block_table.long()).nonzero()[0].tolist()
+            raise ValueError(
+                f"block_table_host differs from block_table (a CPU tensor, what the kernels "
+                f"read) at {at}: {int(block_table_host[at[0], at[1]])} != "
+                f"{int(block_table[at[0], at[1]])}"
+            )
         return cls(p, n, block_table, page_size, phase, cu, block_table_host)
 
     @property
@@ -155,7 +168,8 @@ class MLABatch:
         return torch.tensor(pos, dtype=torch.long, device=device)
 
     def host_block_table(self) -> torch.Tensor | None:
-        """The block table on the host, if the engine gave one (or it lives on the CPU)."""
-        if self.block_table_host is not None:
-            return self.block_table_host
-        return self.block_table if self.block_table.device.type == "cpu" else None
+        """The block table on the host: the table itself when it lives on the CPU (what the
+        kernels read), else the engine's host copy, if it gave one."""
+        if self.block_table.device.type == "cpu":
+            return self.block_table
+        return self.block_table_host

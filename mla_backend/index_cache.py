@@ -14,7 +14,8 @@ Kinds:
   block of ``quant_block_size`` values ``scale = max(amax, 1e-4) / 448`` in fp32 (NaN values do
   not enter the amax), rounded up to a power of two when ``scale_fmt == "ue8m0"``
   (``2^ceil(log2(scale))``), ``stored = e4m3(x / scale)`` saturated to +-448, nearest even.
-  The value read back is ``stored * scale``.
+  The value read back is ``stored * scale``. A block holding +-inf gets scale inf and its
+  values ``x / inf``: NaN for the infinite ones, +-0 for the others (read back NaN: ``0 * inf``).
 - ``plain``: ``[num_pages, page_size, Di]`` keys in bfloat16 / float16 / float32 as given.
 
 The layout is resolved once per call at the public entry points (:meth:`IndexCacheLayout.of`
@@ -197,7 +198,8 @@ class IndexCacheLayout:
         T, Di = k.shape
         qb = self.quant_block_size
         x = k.float().view(T, Di // qb, qb)
-        amax = torch.nan_to_num(x.abs(), nan=0.0).amax(-1)  # fmaxf ignores NaN
+        ax = x.abs()
+        amax = torch.where(torch.isnan(ax), 0.0, ax).amax(-1)  # fmaxf ignores NaN; inf stays
         scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
         if self.scale_fmt == "ue8m0":
             scale = torch.exp2(torch.ceil(torch.log2(scale)))

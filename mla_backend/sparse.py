@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from .cache_layout import CacheLayout
-from .checks import check_step
+from .checks import check_devices, check_scale, check_slots, check_step
 from .fp8 import FP8_DTYPE
 from .index_cache import IndexCacheLayout
 from .ops import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, SparseCall
@@ -111,7 +111,9 @@ def write_index_keys(
             :mod:`mla_backend.index_cache`) or bf16 / fp16 / fp32 [num_pages, page_size, Di],
             in place.
         k_I: [T, Di] bf16 / fp16 / fp32 keys (after the indexer's LayerNorm and RoPE).
-        slot_mapping: [>= T] int32 / int64 flat slot per token.
+        slot_mapping: [>= T] int32 / int64 flat slot per token (on the cache's device, as
+            ``k_I``); a slot ``>= num_pages * page_size`` is refused
+            (:func:`mla_backend.checks.check_slots`).
         layout: the cache's :class:`IndexCacheLayout` (default: from the tensor, quant block
             128, plain amax scales; pass ``IndexCacheLayout.named(..., scale_fmt="ue8m0")`` for
             power-of-two scales).
@@ -132,6 +134,10 @@ def write_index_keys(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} slots for {k_I.shape[0]} keys"
         )
+    check_devices(index_cache.device, "the index cache", k_I=k_I, slot_mapping=slot_mapping)
+    check_slots(
+        slot_mapping, k_I.shape[0], index_cache.shape[0] * index_cache.shape[1], "index cache"
+    )
     with torch.no_grad():
         get_impl(index_cache.device, impl).write_index_keys(
             IndexKeyWrite(index_cache, lay, k_I, slot_mapping)
@@ -152,7 +158,9 @@ def _sparse_of(plan: MLAPlan) -> SparsePart:
 def _check_indexer(
     q_I: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, plan: MLAPlan,
     layout: IndexCacheLayout | None,
-) -> tuple[IndexCacheLayout, SparsePart]:  # fmt: skip
+) -> tuple[IndexCacheLayout, SparsePart, torch.Tensor]:  # fmt: skip
+    """Validate an indexer call; returns (the index cache's layout, the plan's DSA part, the
+    weights with a contiguous last dim)."""
     sparse = _sparse_of(plan)
     if q_I.dim() != 3 or q_I.dtype not in INDEX_Q_DTYPES:
         raise ValueError(
@@ -180,10 +188,10 @@ def _check_indexer(
             f"block_table holds page id {plan.max_page_id} for a used page, but the index cache "
             f"has {index_cache.shape[0]} pages (valid ids 0..{index_cache.shape[0] - 1})"
         )
-    for name, t in (("q_I", q_I), ("weights", weights), ("index_cache", index_cache)):
-        if t.device.type != plan.device.type:
-            raise ValueError(f"{name} is on {t.device}, but the plan was made for {plan.device}")
-    return lay, sparse
+    check_devices(plan.device, "the plan", q_I=q_I, weights=weights, index_cache=index_cache)
+    if Hi > 1 and weights.stride(1) != 1:  # any strides: the kernels read contiguous rows
+        weights = weights.contiguous()
+    return lay, sparse, weights
 
 
 def indexer_logits(
@@ -198,7 +206,7 @@ def indexer_logits(
 
     Args:
         q_I: [T, Hi, Di] bf16 / fp16 / fp32 / float8_e4m3fn (T == plan.num_tokens).
-        weights: [T, Hi] float32, every scale folded in (module docstring).
+        weights: [T, Hi] float32, every scale folded in (module docstring); any strides.
         index_cache: the paged index cache (:func:`write_index_keys`), already holding every
             request's keys, read through the plan's block table.
         plan: the step's plan, made with ``indexer=``.
@@ -206,7 +214,7 @@ def indexer_logits(
         float32 [T, max_kv_len]: ``I[s, t] = sum_h weights[s, h] * relu(q_I[s, h] . k_I[t])``
         for t <= the token's position, -inf elsewhere.
     """
-    lay, sparse = _check_indexer(q_I, weights, index_cache, plan, layout)
+    lay, sparse, weights = _check_indexer(q_I, weights, index_cache, plan, layout)
     with torch.no_grad():
         return plan.impl.indexer_logits(
             IndexerCall(q_I, weights, index_cache, lay, plan.step, sparse)
@@ -234,7 +242,7 @@ def indexer_topk(
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk={topk!r} is not supported: it must be an int >= 1")
-    lay, sparse = _check_indexer(q_I, weights, index_cache, plan, layout)
+    lay, sparse, weights = _check_indexer(q_I, weights, index_cache, plan, layout)
     T = q_I.shape[0]
     if out is not None and (
         out.dtype != torch.int32 or tuple(out.shape) != (T, topk) or not out.is_contiguous()
@@ -269,17 +277,20 @@ def sparse_absorbed_attention(
             per-tensor fp8 with ``kv_scale``, uint8 ``fp8_ds_mla``).
         plan: the step's plan, made with ``indexer=``.
         indices: [T, k] int32 / int64: logical positions within each token's request (any
-            order; each valid entry once), -1 = no entry. An index >= the request's kv length
+            order), -1 = no entry. A token attends to the *set* of its valid entries: a
+            position listed more than once counts once (every implementation drops the
+            repeats; no host read). An index >= the request's kv length
             (or < -1) is refused: the native CPU kernels raise naming it, before reading the
             cache; the torch / Triton paths refuse it with ``torch._assert_async`` (no host
             read: on the CPU it raises in the call, on a GPU it is a device-side assert that
             surfaces at the next synchronization).
-        softmax_scale: scale of ``q·k``.
+        softmax_scale: scale of ``q·k``, a finite float > 0.
         kv_scale: float32 scalar tensor of a per-tensor fp8 cache.
         out / lse: optional [T, H, r] (q's dtype) / [T, H] float32 contiguous outputs.
     Returns:
         (o_lat [T, H, r] in q's dtype, lse [T, H] float32, natural log); a token with no valid
-        index gets o = 0, lse = -inf.
+        index gets o = 0, lse = -inf. Non-finite inputs: as
+        :func:`mla_backend.absorbed_attention` (that token's result unspecified, no other).
     """
     sparse = _sparse_of(plan)
     layout: CacheLayout = check_step(
@@ -287,6 +298,8 @@ def sparse_absorbed_attention(
     )
     if q_lat.shape[-1] != plan.dims.kv_lora_rank:
         raise ValueError(f"q_lat width {q_lat.shape[-1]} != kv_lora_rank {plan.dims.kv_lora_rank}")
+    check_scale(softmax_scale)
+    check_devices(kv_cache.device, "the cache", indices=indices, out=out, lse=lse)
     T, H, r = q_lat.shape
     if indices.dim() != 2 or indices.shape[0] != T or indices.dtype not in (torch.int32,
                                                                               torch.int64):

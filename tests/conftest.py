@@ -1,4 +1,5 @@
-"""Core test configuration (threads; the ``isa`` fixture: one native ISA level per run). Test
+"""Core test configuration (threads; the ``isa`` fixture: one native ISA level per run; the
+``kernels`` fixture: the torch implementation once and native at every tested level). Test
 modules import the shared case builder from :mod:`mla_backend.testing.cases`, never from
 ``conftest``: with ``tests/triton_path`` collected in the same run, the name ``conftest`` can
 resolve to that folder's conftest instead."""
@@ -54,3 +55,24 @@ def isa(request: pytest.FixtureRequest) -> str:
     if not native.available(request.param):
         pytest.skip(f"native ISA level {request.param}: {native.unavailable_reason(request.param)}")
     return request.param
+
+
+def _first_test_level() -> str:
+    """The first level the ``isa`` fixture runs (``MLA_BACKEND_TEST_ISAS`` filters them)."""
+    from mla_backend.ops import native
+
+    want = {x.strip() for x in current().test_isas.split(",") if x.strip()}
+    return next((x for x in native.host_isas() if not want or x in want), "")
+
+
+@pytest.fixture(params=["torch", "native"])
+def kernels(request: pytest.FixtureRequest, isa: str) -> object:
+    """The torch implementation (run once, at the first level tested) or native at ``isa``."""
+    from mla_backend.ops import native
+    from mla_backend.selection import get_impl
+
+    if request.param == "torch":
+        if isa != _first_test_level():
+            pytest.skip("the torch path runs once")
+        return get_impl(torch.device("cpu"), "torch")
+    return native.Kernels(isa=isa)

@@ -17,10 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mla_backend as mb
-from mla_backend.config import current
 from mla_backend.index_cache import IndexCacheLayout
-from mla_backend.ops import IndexKeyWrite, native
-from mla_backend.selection import get_impl
+from mla_backend.ops import IndexKeyWrite
 from mla_backend.testing.cases import DsaCase, index_fp8_dequantized, make_dsa_case
 from mla_backend.testing.dsa_checks import check_logits, check_sparse, check_topk, logit_bound
 from mla_backend.testing.native_checks import ATTENTION_DTYPES
@@ -29,23 +27,8 @@ from mla_backend.testing.reference import reference_indexer_logits, reference_to
 FP8 = torch.float8_e4m3fn
 DIMS = mb.MLADims(4, 40, 8, 8, 8)  # H, r, nope, rope, v: odd r (partial fp8_ds_mla tile)
 RAGGED = ([0, 9, 70, 3, 130], [5, 1, 6, 0, 2])  # fresh extend, decodes, an empty request
-PATHS = ["torch", "native"]
 
 
-def _first_test_level() -> str:
-    """The first level the ``isa`` fixture runs (``MLA_BACKEND_TEST_ISAS`` filters them)."""
-    want = {x.strip() for x in current().test_isas.split(",") if x.strip()}
-    return next((x for x in native.host_isas() if not want or x in want), "")
-
-
-@pytest.fixture(params=PATHS)
-def kernels(request: pytest.FixtureRequest, isa: str) -> object:
-    """The torch implementation (run once, at the first level tested) or native at ``isa``."""
-    if request.param == "torch":
-        if isa != _first_test_level():
-            pytest.skip("the torch path runs once")
-        return get_impl(torch.device("cpu"), "torch")
-    return native.Kernels(isa=isa)
 
 
 def _fp32_inputs(k: object) -> bool:

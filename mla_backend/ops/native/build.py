@@ -2,13 +2,14 @@
 (:mod:`.isa`: the levels, their flags, which ones this CPU runs), compiled at first use.
 
 This module owns the loader: ``torch.utils.cpp_extension.load`` into torch's extensions
-directory (``TORCH_EXTENSIONS_DIR``) under a name holding the level and a hash of the sources
-and headers (and the SVE vector length; ``_serial`` for the fallback build without OpenMP), one
-build directory per name, each load under the OS lock of :mod:`.build_lock` (a build killed
-midway never blocks later loads). A level the CPU lacks is never built or loaded. If there is no
-compiler / ninja, the platform is neither x86-64 nor aarch64, or the build fails,
-:func:`available` returns False and one ``warnings.warn`` per level and process says why;
-importing never raises.
+directory (``TORCH_EXTENSIONS_DIR``) under a name holding the level and a hash of the sources,
+headers and flags and of what the binary depends on (:func:`binary_identity`: torch's build and
+C++ ABI, Python, the compiler), the SVE vector length, ``_serial`` for the fallback build
+without OpenMP; one build directory per name, each load under the OS lock of
+:mod:`.build_lock` (a build killed midway never blocks later loads). A level the CPU lacks is
+never built or loaded. If there is no compiler / ninja, the platform is neither x86-64 nor
+aarch64, or the build fails, :func:`available` returns False and one ``warnings.warn`` per level
+and process says why; importing never raises.
 
 The ops, all registered with their schemas in one file, ``csrc/api.cpp``, and each defined in
 the file of its job (declared in ``csrc/ops.h``): ``torch.ops.mla_backend_<level>.``
@@ -29,6 +30,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 import threading
 import warnings
 from collections.abc import Callable
@@ -96,13 +102,6 @@ def _build(isa: str) -> None:
     from .build_lock import locked_load
 
     cpp_extension.verify_ninja_availability()
-    # the sources' hash is part of torch's cache key, but a header change alone is not: the
-    # headers' text (and the flags) go into the extension name, with the level.
-    h = hashlib.sha1()
-    for name in _SOURCES + _HEADERS:
-        h.update((_CSRC / name).read_bytes())
-    h.update(" ".join(level_flags(isa)).encode())
-    vl = str(sve_vector_bits()) if isa == "sve" else ""  # the build's vector length
     # at::parallel_for is inline OpenMP: without -fopenmp the kernels would run on one thread.
     # (torch's wheel ships libgomp.so.1, which the extension then shares.) A compiler without
     # OpenMP still gets a working, single-threaded build.
@@ -111,7 +110,7 @@ def _build(isa: str) -> None:
         flags = level_flags(isa) + (["-fopenmp"] if omp else [])
         try:
             locked_load(  # cpp_extension.load under our OS lock (:mod:`.build_lock`)
-                name=f"{_EXT_NAME}_{isa}{vl}_{h.hexdigest()[:12]}{'' if omp else '_serial'}",
+                name=extension_name(isa, omp),
                 sources=[str(_CSRC / s) for s in _SOURCES],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"] if omp else [],
@@ -251,6 +250,43 @@ def schema_mismatches(
             problems.append(f"{name}: its fake's {why}")
     problems += [f"{name}: a fake of no registered op" for name in fakes if name not in schemas]
     return problems
+def extension_name(isa: str, openmp: bool = True) -> str:
+    """The build's name (its directory under ``TORCH_EXTENSIONS_DIR``): the level, a hash of
+    the sources and headers (torch's own cache key hashes the sources only), the level's flags
+    and :func:`binary_identity`, the SVE vector length, ``_serial`` without OpenMP."""
+    h = hashlib.sha1()
+    for name in _SOURCES + _HEADERS:
+        h.update((_CSRC / name).read_bytes())
+    h.update(" ".join(level_flags(isa)).encode())
+    h.update(binary_identity().encode())
+    vl = str(sve_vector_bits()) if isa == "sve" else ""  # the build's vector length
+    return f"{_EXT_NAME}_{isa}{vl}_{h.hexdigest()[:12]}{'' if openmp else '_serial'}"
+
+
+def binary_identity() -> str:
+    """What a build links and is compiled with besides its sources and flags: torch's version,
+    git revision, CUDA / ROCm build and C++ ABI, the Python ABI, the compiler (``CXX``, its
+    resolved path and version line). It goes into the extension name, so two environments that
+    differ in any of them never share (or replace) a build directory."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx) or cxx
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        version = out.stdout.splitlines()[0] if out.stdout else out.stderr.strip()[:200]
+    except (OSError, subprocess.SubprocessError) as e:
+        version = f"unknown ({type(e).__name__})"
+    parts = (
+        torch.__version__,
+        str(getattr(torch.version, "git_version", "")),
+        str(torch.version.cuda),
+        str(getattr(torch.version, "hip", None)),
+        f"cxx11abi={int(torch.compiled_with_cxx11_abi())}",
+        sys.implementation.cache_tag or "",
+        sysconfig.get_config_var("SOABI") or "",
+        str(Path(os.path.realpath(path))),
+        version,
+    )
+    return "\n".join(parts)
 
 
 def _register_fakes(ns: str) -> None:

@@ -88,7 +88,11 @@ def absorbed_attention(ac: AbsorbedCall, tuning: Tuning) -> tuple[torch.Tensor, 
     T, H, r = q_lat.shape
     rope = q_pe.shape[-1]
     dev, cd = q_lat.device, q_lat.dtype
-    q = torch.cat([q_lat, q_pe.to(cd)], dim=-1) if rope else q_lat  # [T, H, D]
+    # [T, H, D], the last dim contiguous: torch's CPU flash kernel returns a wrong LSE for a
+    # strided one (the output is right)
+    q = torch.cat([q_lat, q_pe.to(cd)], dim=-1) if rope else q_lat
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     o_lat = torch.empty(T, H, r, dtype=cd, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:

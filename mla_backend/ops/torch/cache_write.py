@@ -15,21 +15,23 @@ def write_latent(w: LatentWrite) -> None:
 
     Padding slots (< 0) are redirected, without reading the mask on the host, to the largest
     slot of the step with that slot's own row (identical duplicate writes), or, when every slot
-    is padding, to the last cache row with its current content."""
+    is padding, to the last cache row with its current content. Slots are in range (refused at
+    the entry point, :func:`mla_backend.checks.check_slots`); the index never wraps."""
     kv_cache, c_kv, k_pe, slot_mapping = w.kv_cache, w.c_kv, w.k_pe, w.slot_mapping
     kv_scale, layout = w.kv_scale, w.layout
     T = c_kv.shape[0]
-    if T == 0:
+    n_rows = kv_cache.shape[0] * kv_cache.shape[1]
+    if T == 0 or n_rows == 0:  # no cache rows: every slot is padding (the entry point checked)
         return
     flat = kv_cache.view(-1, kv_cache.shape[-1]).view(layout.storage_dtype)
     slots = slot_mapping[:T].long()
     row = layout.encode(c_kv, k_pe, kv_scale)
-    n_rows = flat.shape[0]
     valid = slots >= 0
     top = slots.argmax().view(1)
     smax = slots.index_select(0, top)  # [1]; < 0 only if every slot is padding
-    target = torch.where(valid, slots, smax) % n_rows  # all padding: the last row
-    keep = flat.index_select(0, smax % n_rows)  # that row's current content
+    redirect = torch.where(smax >= 0, smax, n_rows - 1)  # all padding: the last row
+    target = torch.where(valid, slots, redirect)
+    keep = flat.index_select(0, redirect)  # that row's current content
     fill = torch.where((smax >= 0)[:, None], row.index_select(0, top), keep)
     src = torch.where(valid[:, None], row, fill)
     flat.index_put_((target,), src)

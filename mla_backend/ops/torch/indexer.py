@@ -38,22 +38,24 @@ def write_index_keys(w: IndexKeyWrite) -> None:
 
     Padding slots (< 0) are redirected, without reading the mask on the host, to the largest
     slot of the step with that slot's own key (identical duplicate writes), or, when every slot
-    is padding, to the cache's last slot with its current content."""
+    is padding, to the cache's last slot with its current content. Slots are in range (refused
+    at the entry point, :func:`mla_backend.checks.check_slots`); the index never wraps."""
     index_cache, layout, k_I, slot_mapping = w.index_cache, w.layout, w.k_I, w.slot_mapping
     T = k_I.shape[0]
-    if T == 0:
-        return
     ps = index_cache.shape[1]
+    n_slots = index_cache.shape[0] * ps
+    if T == 0 or n_slots == 0:  # no cache slots: every slot is padding (the entry point checked)
+        return
     values, scales = layout.page_views(index_cache)
     vals, sc = layout.encode(k_I)
     slots = slot_mapping[:T].long()
-    n_slots = values.shape[0] * ps
     valid = slots >= 0
     top = slots.argmax().view(1)
     smax = slots.index_select(0, top)  # [1]; < 0 only if every slot is padding
-    target = torch.where(valid, slots, smax) % n_slots  # all padding: the last slot
+    redirect = torch.where(smax >= 0, smax, n_slots - 1)  # all padding: the last slot
+    target = torch.where(valid, slots, redirect)
     page, off = target // ps, target % ps
-    keep_page, keep_off = (smax % n_slots) // ps, (smax % n_slots) % ps
+    keep_page, keep_off = redirect // ps, redirect % ps
     for view, rows in ((values, vals.view(values.dtype)), (scales, sc)):
         if view is None:
             continue

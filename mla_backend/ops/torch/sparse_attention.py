@@ -8,7 +8,9 @@ once into a [tokens, k, width] tile and dequantized by the cache layout. Scores,
 P·V are fp32 (the output rounded once to q's dtype); a token with no valid index gets o = 0 and
 lse = -inf. Out-of-range indices (>= the request's kv length, or < -1) are refused with
 ``torch._assert_async``: no host read (on a GPU a device-side assert, which surfaces at the
-next synchronization; on the CPU it raises in the call).
+next synchronization; on the CPU it raises in the call). A position listed more than once in a
+token's list counts once (:func:`checked_indices` drops the repeats: the rule of
+:func:`mla_backend.sparse.sparse_absorbed_attention`, which the native kernel follows too).
 """
 
 from __future__ import annotations
@@ -26,13 +28,20 @@ OUT_OF_RANGE = (
 )
 
 
-def check_indices(indices: torch.Tensor, part: PlanPart, sparse: SparsePart) -> None:
+def checked_indices(indices: torch.Tensor, part: PlanPart, sparse: SparsePart) -> torch.Tensor:
     """Refuse indices outside ``-1 .. kv_len - 1`` of each token's request, with no host read
-    (``torch._assert_async``)."""
+    (``torch._assert_async``), and return them as int64 [T, k] with every repeat of a position
+    within a token's list set to -1 (its first occurrence kept)."""
     kvl = part.kv_lens_t.long().index_select(0, sparse.token_req_t.long())  # [T]
     idx = indices.long()
     ok = ((idx >= -1) & (idx < kvl[:, None])).all()
     torch._assert_async(ok, OUT_OF_RANGE)
+    if idx.shape[1] < 2:
+        return idx
+    srt, order = idx.sort(dim=1, stable=True)  # a repeat sorts right after its first occurrence
+    rep = torch.zeros_like(srt, dtype=torch.bool)
+    rep[:, 1:] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    return idx.masked_fill(torch.zeros_like(rep).scatter_(1, order, rep), -1)
 
 
 def sparse_absorbed_attention(call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,8 +57,12 @@ def sparse_absorbed_attention(call: SparseCall) -> tuple[torch.Tensor, torch.Ten
     lse_o = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:
         return o_lat, lse_o
-    check_indices(indices, part, sparse)
+    indices = checked_indices(indices, part, sparse)
     K = indices.shape[1]
+    if K == 0:  # no entry for any token
+        o_lat.zero_()
+        lse_o.fill_(float("-inf"))
+        return o_lat, lse_o
     ps, W = kv_cache.shape[1], kv_cache.shape[2]
     D = r + q_pe.shape[-1]
     flat = kv_cache.view(-1, W)

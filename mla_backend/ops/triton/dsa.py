@@ -351,17 +351,18 @@ def sparse_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse absorbed attention through ``mla_backend::triton_sparse_attention`` (arguments
     validated at the entry point; r within :func:`sparse_supported`). Indices out of range
-    (>= the request's kv length, or < -1) are refused with ``torch._assert_async`` (the shared
-    check of :mod:`mla_backend.ops.torch.sparse_attention`; on a GPU a device-side assert) and
-    masked in the kernel, which never reads them. Returns (o_lat [T, H, r], lse [T, H]) in
-    ``call.attn.out`` / ``call.attn.lse`` when given."""
+    (>= the request's kv length, or < -1) are refused with ``torch._assert_async`` and repeats
+    dropped (the shared :func:`mla_backend.ops.torch.sparse_attention.checked_indices`; on a GPU
+    a device-side assert) and masked in the kernel, which never reads them. Returns
+    (o_lat [T, H, r], lse [T, H]) in ``call.attn.out`` / ``call.attn.lse`` when given."""
     a, part = call.attn, call.attn.part
     T, H, r = a.q_lat.shape
     dev = a.q_lat.device
     if a.kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
-    if T:
-        torch_sparse.check_indices(call.indices, part, call.sparse)
+    indices = call.indices
+    if T:  # range refusal, repeats dropped (the shared rule of ops.torch.sparse_attention)
+        indices = torch_sparse.checked_indices(indices, part, call.sparse).to(indices.dtype)
     _, _, block_h, block_n = sparse_tiles(r, H, a.q_lat.dtype == torch.float32,
                                           a.layout.kind != "plain")
     splits, per = sparse_splits(max(T, 1), triton.cdiv(max(H, 1), block_h), call.indices.shape[1],
@@ -374,7 +375,7 @@ def sparse_attention(
         a.q_lat if a.q_lat.stride(-1) == 1 else a.q_lat.contiguous(),
         q_pe if q_pe.stride(-1) == 1 or q_pe.shape[-1] <= 1 else q_pe.contiguous(),
         a.kv_cache, part.block_table, part.kv_lens_t, call.sparse.token_req_t,
-        call.indices.contiguous(),
+        indices.contiguous(),
         a.kv_scale.float().reshape(()) if a.kv_scale is not None else None,
         float(a.softmax_scale), lay.scale_offset if ds else 0, lay.rope_offset if ds else 0,
         splits, per, bits,

@@ -34,7 +34,9 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention_params.h"
@@ -218,6 +220,17 @@ inline void select_best(const float* lg, int64_t n, int64_t pos0, int64_t k, std
 
 using mla_core::AElem;
 
+// The shared e4m3 decodes read the NaN bytes 0x7f / 0xff as +-480; the indexer's rule (a NaN
+// logit ranks below every number) needs them NaN: dst[d] = NaN where src[d] is a NaN byte.
+template <typename T>
+inline void e4m3_nans(T* dst, const uint8_t* src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d)
+    if ((src[d] & 0x7f) == 0x7f) {
+      if constexpr (std::is_same_v<T, float>) dst[d] = std::numeric_limits<float>::quiet_NaN();
+      else dst[d] = T(vec::f32_to_bf16(std::numeric_limits<float>::quiet_NaN()));
+    }
+}
+
 // dst[0, lda) = the key at src (its values; zero padded) in the GEMM's A operand form.
 inline void load_key(AElem* dst, const uint8_t* src, const IndexParams& P, int64_t lda) {
   const int64_t Di = P.Di;
@@ -237,6 +250,7 @@ inline void load_key(AElem* dst, const uint8_t* src, const IndexParams& P, int64
       (VecF::load_e4m3_div256_n(src + d, k) * VecF::set1(kFp8Unscale)).store_bf16_n(dst + d, k);
     }
 #endif
+    e4m3_nans(dst, src, Di);
   } else {
     for (int64_t d = 0; d < Di; d += kW) {
       const int k = static_cast<int>(std::min<int64_t>(kW, Di - d));
@@ -246,8 +260,10 @@ inline void load_key(AElem* dst, const uint8_t* src, const IndexParams& P, int64
     }
   }
 #else
-  if (P.kind == kIdxFp8) widen_e4m3_row(dst, src, Di, kFp8Unscale);
-  else if (P.kind == kIdxBF16) widen_row(dst, reinterpret_cast<const vec::bf16_t*>(src), Di);
+  if (P.kind == kIdxFp8) {
+    widen_e4m3_row(dst, src, Di, kFp8Unscale);
+    e4m3_nans(dst, src, Di);
+  } else if (P.kind == kIdxBF16) widen_row(dst, reinterpret_cast<const vec::bf16_t*>(src), Di);
   else if (P.kind == kIdxF16) widen_row(dst, reinterpret_cast<const vec::fp16_t*>(src), Di);
   else std::memcpy(dst, src, Di * 4);
 #endif
@@ -261,8 +277,10 @@ inline void q_to_bf16(uint16_t* dst, const char* src, const IndexParams& P, floa
     std::memcpy(dst, src, Di * 2);
     return;
   }
-  if (P.q_dt == kIdxQE4M3) widen_e4m3_row(tmp, reinterpret_cast<const uint8_t*>(src), Di, kFp8Unscale);
-  else if (P.q_dt == kIdxQF16) widen_row(tmp, reinterpret_cast<const vec::fp16_t*>(src), Di);
+  if (P.q_dt == kIdxQE4M3) {
+    widen_e4m3_row(tmp, reinterpret_cast<const uint8_t*>(src), Di, kFp8Unscale);
+    e4m3_nans(tmp, reinterpret_cast<const uint8_t*>(src), Di);
+  } else if (P.q_dt == kIdxQF16) widen_row(tmp, reinterpret_cast<const vec::fp16_t*>(src), Di);
   else std::memcpy(tmp, src, Di * 4);
   for (int64_t d = 0; d < Di; ++d) dst[d] = vec::f32_to_bf16(tmp[d]);
 }
@@ -375,7 +393,7 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
         VecF acc = VecF::zero();
         for (int64_t h = 0; h < Hi; h += kW) {
           const int k = static_cast<int>(std::min<int64_t>(kW, Hi - h));
-          const VecF x = vec::max(load_f32(cr + h, k), VecF::zero());
+          const VecF x = vec::max(VecF::zero(), load_f32(cr + h, k));  // NaN stays NaN
           acc = vec::fma(load_f32(w + h, k), x, acc);
         }
         const float logit = vec::hsum(acc) * (nb == 1 ? kscale[m] : 1.0f);
@@ -501,9 +519,9 @@ core::IndexParams index_params(const at::Tensor& q, const at::Tensor& weights, c
               "q_I dtype ", qdt, " is not supported; use bfloat16, float16, float32 or float8_e4m3fn");
   const int64_t T = q.size(0), Hi = q.size(1), Di = q.size(2);
   TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.dim() == 2 && weights.size(0) == T &&
-                  weights.size(1) == Hi && weights.stride(1) == 1,
+                  weights.size(1) == Hi && (weights.stride(1) == 1 || Hi <= 1),
               "weights must be [T, Hi] float32 with a contiguous last dim, got ", weights.scalar_type(), " ",
-              weights.sizes());
+              weights.sizes(), " strides ", weights.strides());
   TORCH_CHECK(cache.dim() == 3 && cache.stride(2) == 1 && cache.stride(1) == cache.size(2),
               "index cache must be [num_pages, page_size, W] with contiguous pages, got ", cache.sizes(),
               " strides ", cache.strides());

@@ -13,7 +13,8 @@
 // of row offsets: the same inner math (scores, online softmax, P.V) as the dense path, with no
 // causal mask (every selected row is visible). Splits are merged through their LSE as the dense
 // path's. Every index is checked before anything is read: an entry >= its request's kv length
-// or < -1 is refused naming the token, the entry and the range.
+// or < -1 is refused naming the token, the entry and the range; a position listed twice in a
+// token's list counts once (drop_repeats).
 #ifndef MLA_CORE_ONLY  // the core test driver includes this file without torch
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,6 +23,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absorbed_attention.h"
@@ -55,6 +57,43 @@ inline std::string validate_indices(const Params& P, const SparseIndex& S, int64
                            " (valid: -1 for no entry, or 0 .. ", L - 1, " of request ", req, ")");
   }
   return {};
+}
+
+// A position listed more than once in a token's list counts once (the rule of
+// mla_backend.sparse_absorbed_attention): when some list repeats a position, S is pointed at a
+// copy of the lists (`copy`, [T, K]) with every repeat set to -1, its first occurrence kept.
+// A list whose valid entries ascend (the indexer's output) is passed over in O(K); another one
+// is sorted once.
+inline void drop_repeats(SparseIndex& S, int64_t T, std::vector<int32_t>& copy) {
+  std::vector<std::pair<int32_t, int32_t>> sorted;
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* row = S.idx + t * S.idx_s0;
+    int32_t last = -1;
+    bool ascending = true;
+    for (int64_t c = 0; c < S.K && ascending; ++c) {
+      if (row[c] < 0) continue;
+      ascending = row[c] > last;
+      last = row[c];
+    }
+    if (ascending) continue;
+    sorted.clear();
+    for (int64_t c = 0; c < S.K; ++c)
+      if (row[c] >= 0) sorted.push_back({row[c], static_cast<int32_t>(c)});
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t k = 1; k < sorted.size(); ++k) {
+      if (sorted[k].first != sorted[k - 1].first) continue;
+      if (copy.empty()) {
+        copy.resize(static_cast<size_t>(T * S.K));
+        for (int64_t u = 0; u < T; ++u)
+          std::copy(S.idx + u * S.idx_s0, S.idx + u * S.idx_s0 + S.K, copy.data() + u * S.K);
+      }
+      copy[static_cast<size_t>(t * S.K + sorted[k].second)] = -1;
+    }
+  }
+  if (!copy.empty()) {
+    S.idx = copy.data();
+    S.idx_s0 = S.K;
+  }
 }
 
 template <typename QT, class Engine>
@@ -143,10 +182,13 @@ void run_sparse_engines(const Params& P, const SparseIndex& S, const std::vector
 // plans items (token, block of heads, split of its list: splits where the tokens alone leave
 // threads idle), runs them and merges the splits. P.out [T, H, r] (q's dtype) and P.lse [T, H]
 // are written. Returns "" on success, else the refusal (nothing read).
-inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex& S, DType qdt, int mode,
+inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex& S_in, DType qdt, int mode,
                                     const Parallel& par, int engine = kEngineDefault) {
   if (std::string err = validate(P, b); !err.empty()) return err;
-  if (std::string err = validate_indices(P, S, b.T); !err.empty()) return err;
+  if (std::string err = validate_indices(P, S_in, b.T); !err.empty()) return err;
+  SparseIndex S = S_in;
+  std::vector<int32_t> deduped;
+  drop_repeats(S, b.T, deduped);
   const int64_t T = b.T, H = P.H, r = P.r, K = S.K;
   if (T == 0) return {};
   const bool amx = (engine & kEngineAmx) && qdt == DType::kBF16 && mode != kDs && amx_available() &&
