@@ -88,20 +88,38 @@ class Launch:
 
 #: the launches recorded instead of run, while :func:`record_launches` is active
 _RECORDING: list[list[Launch]] = []
+#: the compute capability each active :func:`record_launches` records for (None: any)
+_RECORDING_ARCH: list[int | None] = []
 
 
 @contextlib.contextmanager
-def record_launches() -> Iterator[list[Launch]]:
+def record_launches(arch: int | None = None) -> Iterator[list[Launch]]:
     """Within this block the ops record their kernel launches (with the constexprs a GPU
     compile gets, also under the interpreter) instead of running them, on any device's
     tensors: what the ahead-of-time resource check (``python -m benchmarks gpu-resources``)
-    compiles is exactly what a call launches."""
+    compiles is exactly what a call launches. ``arch``: the compute capability (90: sm_90,
+    100: sm_100) the calls are recorded for, which decides the kernels that serve them (the
+    Gluon kernel serves Hopper only); None: any."""
     launches: list[Launch] = []
     _RECORDING.append(launches)
+    _RECORDING_ARCH.append(arch)
     try:
         yield launches
     finally:
         _RECORDING.pop()
+        _RECORDING_ARCH.pop()
+
+
+def target_arch(device: torch.device) -> int | None:
+    """The compute capability a call on ``device`` launches for (major * 10 + minor): the
+    recorded one while :func:`record_launches` is active, the CUDA device's otherwise; None
+    when unknown (recording for any arch, a CPU device, ROCm)."""
+    if _RECORDING:
+        return _RECORDING_ARCH[-1]
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _launch(kernel: object, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
@@ -710,13 +728,17 @@ def absorbed_attention(
 
 def _gluon_serves(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                   block_q: int, block_h: int) -> bool:
-    """The Gluon kernel serves CUDA tensors (or recorded launches) of its shapes, on a cache
-    whose pages are one [pages * page_size, width] matrix (its TMA descriptor)."""
+    """The Gluon kernel serves CUDA tensors (or recorded launches) of its shapes on a GPU of
+    its archs (:data:`gluon_attention.ARCHS`), on a cache whose pages are one
+    [pages * page_size, width] matrix (its TMA descriptor)."""
     if (q_lat.device.type != "cuda" and not _RECORDING) or not kv_cache.is_contiguous():
         return False
     try:
         from .jit import gluon_attention as ga
     except ImportError:  # a Triton without Gluon (before 3.5): the Triton kernel serves
+        return False
+    arch = target_arch(q_lat.device)
+    if arch not in ga.ARCHS and not (arch is None and _RECORDING):  # ROCm: never
         return False
 
     return ga.serves(q_lat.shape[1], q_lat.shape[2], q_pe.shape[-1], kv_cache.shape[1],
