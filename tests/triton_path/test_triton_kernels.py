@@ -372,7 +372,7 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
     from mla_backend.ops.triton.jit import attention
 
     compiled = triton.JITFunction(attention.absorbed_attn_kernel.fn)  # as on a GPU machine
-    monkeypatch.setattr(tops, "absorbed_attn_kernel", compiled)
+    monkeypatch.setattr(tops.absorbed, "absorbed_attn_kernel", compiled)
     case = TCase([4], [1], H=2, r=16, rope=16, page_size=16, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         case.triton()
