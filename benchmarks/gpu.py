@@ -374,7 +374,7 @@ def _gluon_column(
     plan = mb.plan(batch, dims, mb.Policy("absorb"), device=dev, impl=TritonKernels(gluon=True))
     block_q = plan.step.work.block_q
     block_h = TritonKernels(gluon=True)._block_h(dims, block_q)
-    if not tops._gluon_serves(q_lat, q_pe, cache, block_q, block_h):
+    if not tops.gluon.gluon_serves(q_lat, q_pe, cache, block_q, block_h):
         skipped.add("gluon: not served (CUDA, bf16/fp16 cache, page 64, r 512, rope 64 only)")
         return f"  {nan:8.3f}  {nan:10.2e}"
 

@@ -21,6 +21,12 @@ DSA ops (decode, topk 2048): ``sparse`` records ``mb.sparse_absorbed_attention``
 logits kernel of ``mb.indexer_topk`` (64 index heads x 128): cache ``fp8`` is vLLM's fp8 index
 cache with e4m3 queries, ``bf16`` a bf16 index cache with bf16 queries.
 
+Each arch's configs compile in a child process (one for all of them, a fresh one after a
+crash): a compile that aborts the process (an LLVM error) is reported as that config's row and
+the run goes on. Launches are recorded for the arch they compile for, so a config names what
+that GPU runs: the Gluon kernel serves sm_90a only (its ``gluon=True`` rows on other archs say
+so, skipped), the Triton kernel serves the rest.
+
 Needs ``triton`` (3.6.0 is the GPU machine's version) and nothing else; every compile takes
 0.5-4 s on one CPU core.
 """
@@ -40,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +112,8 @@ class Result:
     ctas_per_sm: int = 0
     secs: float = 0.0
     error: str = ""
+    #: why the config was not compiled for this arch (no kernel of it serves there)
+    skipped: str = ""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -119,16 +127,16 @@ def _tools() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def record(config: Config) -> tuple[object, object]:
+def record(config: Config, arch: int | None = None) -> tuple[object, object]:
     """(attention launch, plan) of ``config``: planned and called on small CPU tensors of the
-    real widths, the launch recorded (not run)."""
+    real widths, the launch recorded (not run) for compute capability ``arch`` (None: any)."""
     import mla_backend as mb
     from mla_backend.cache_layout import CacheLayout
     from mla_backend.ops.triton import Kernels
     from mla_backend.ops.triton import ops as tops
 
     if config.op != "absorbed":
-        return _record_dsa(config), None
+        return _record_dsa(config, arch), None
     H, q_len = config.heads, config.q_len
     kv_lens = [200, 130]  # 4 and 3 pages
     table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 0]], dtype=torch.int32)
@@ -151,7 +159,7 @@ def record(config: Config) -> tuple[object, object]:
                    impl=Kernels(**dict(config.knobs)))
     T = 2 * q_len
     q_lat, q_pe = torch.zeros(T, H, R, dtype=cd), torch.zeros(T, H, ROPE, dtype=cd)
-    with tops.record_launches() as launches:
+    with tops.record_launches(arch) as launches:
         mb.absorbed_attention(q_lat, q_pe, cache, plan, 0.1, kv_scale)
     attn = [x for x in launches if _fn(x.kernel).__name__.startswith("absorbed_attn")]
     if len(attn) != 1:
@@ -159,7 +167,7 @@ def record(config: Config) -> tuple[object, object]:
     return attn[0], plan
 
 
-def _record_dsa(config: Config) -> object:
+def _record_dsa(config: Config, arch: int | None = None) -> object:
     """The launch of DSA op ``config.op``'s kernel (:data:`DSA_KERNELS`) at decode: two
     requests of 3000 / 2500 tokens, topk 2048, recorded (not run) on CPU tensors."""
     import mla_backend as mb
@@ -178,7 +186,7 @@ def _record_dsa(config: Config) -> object:
                    device=torch.device("cpu"), impl=Kernels(**dict(config.knobs)),
                    indexer=mb.IndexerDims(INDEX_HEADS, INDEX_DIM, TOPK))
     n = 2 * pages
-    with tops.record_launches() as launches:
+    with tops.record_launches(arch) as launches:
         if config.op == "indexer":
             fp8 = config.cache == "fp8"
             index_cache = torch.zeros(n, PAGE, INDEX_DIM + 4 * fp8,
@@ -370,7 +378,11 @@ def compile_config(config: Config, arch: int = 90) -> Result:
     res = Result(config, arch)
     t0 = time.time()
     try:
-        launch, _ = record(config)
+        launch, _ = record(config, arch)
+        if dict(config.knobs).get("gluon") and not _is_gluon(launch.kernel):
+            res.skipped = f"the Gluon kernel serves sm_90a only, not sm_{arch}a (Triton runs)"
+            res.secs = time.time() - t0
+            return res
         kw = launch.kwargs
         res.rows = kw.get("BLOCK_Q", 1) * kw["BLOCK_H"]
         res.block_n = kw.get("BLOCK_N", 64)  # the Gluon kernel: one 64-row page per tile
@@ -453,6 +465,8 @@ HEADER = ("| config | arch | rows | BLOCK_N | warps | stages | MMA | regs | spil
 
 
 def row(r: Result) -> str:
+    if r.skipped:
+        return f"| {r.config.name} | sm_{r.arch}a | skipped: {r.skipped} |" + " |" * 13
     if r.error:
         return f"| {r.config.name} | sm_{r.arch}a | {r.rows} | {r.block_n} | {r.num_warps} | " \
                f"{r.num_stages} | failed: {r.error} |" + " |" * 10
@@ -485,26 +499,54 @@ def _cpu_name() -> str:
     return "unknown CPU"
 
 
-def compile_isolated(configs: list[Config], arch: int = 90) -> list[Result]:
-    """:func:`compile_config` of each config in a fresh Python process without
-    ``TRITON_INTERPRET`` (a process that imported Triton with the interpreter on cannot compile:
-    Triton's own ``@jit`` library functions, ``tl.zeros`` ..., are then interpreted ones)."""
+def compile_isolated(
+    configs: list[Config],
+    arch: int = 90,
+    on_result: Callable[[Result], None] | None = None,
+    child: list[str] | None = None,
+) -> list[Result]:
+    """:func:`compile_config` of each config for ``sm_{arch}a``, in a child Python process
+    without ``TRITON_INTERPRET`` (a process that imported Triton with the interpreter on cannot
+    compile: Triton's own ``@jit`` library functions, ``tl.zeros`` ..., are then interpreted
+    ones). A compile that kills the child (an LLVM abort: a signal, or exit 134) is that
+    config's result, ``error`` set, and a fresh child goes on with the rest; any other failure
+    of the child raises. ``on_result``: called with each result as it arrives; ``child``: the
+    child's command before ``--arch``/``--json`` (default: this command)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    payload = json.dumps([[c.heads, c.q_len, c.cache, [list(k) for k in c.knobs], c.op,
-                           c.dtype] for c in configs])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "gpu-resources", "--arch", str(arch),
-         "--json", payload], cwd=root, env=env, capture_output=True, text=True,
-    )
-    found = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    if proc.returncode or len(found) != len(configs):
-        raise RuntimeError(f"gpu-resources subprocess failed ({proc.returncode}): "
-                           f"{proc.stderr[-2000:]}")
-    out = []
-    for c, d in zip(configs, found):
-        d.pop("config")
-        out.append(Result(c, **d))
+    cmd = child or [sys.executable, "-m", "benchmarks", "gpu-resources"]
+    out: list[Result] = []
+    while len(out) < len(configs):
+        todo = configs[len(out):]
+        payload = json.dumps([[c.heads, c.q_len, c.cache, [list(k) for k in c.knobs], c.op,
+                               c.dtype] for c in todo])
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen([*cmd, "--arch", str(arch), "--json", payload], cwd=root,
+                                    env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            started = len(out)
+            for line in proc.stdout:
+                if not line.startswith("{") or len(out) == len(configs):
+                    continue
+                d = json.loads(line)
+                d.pop("config")
+                out.append(Result(configs[len(out)], **d))
+                if on_result:
+                    on_result(out[-1])
+            rc = proc.wait()
+            err.seek(0)
+            stderr = err.read()
+        if len(out) == len(configs):
+            break
+        if rc >= 0 and rc != 134:  # not an abort: the child itself is broken
+            raise RuntimeError(f"gpu-resources child failed (exit {rc}) after "
+                               f"{len(out) - started} of {len(todo)} configs: {stderr[-2000:]}")
+        tail = [x.strip() for x in stderr.splitlines() if x.strip()]
+        why = tail[-1][:200] if tail else "no message"
+        how = f"signal {-rc}" if rc < 0 else f"exit {rc}"
+        out.append(Result(configs[len(out)], arch, error=f"compile aborted the process "
+                                                          f"({how}): {why}"))
+        if on_result:
+            on_result(out[-1])
     return out
 
 
@@ -554,15 +596,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton {triton.__version__}; r {R}, rope {ROPE}, page {PAGE}; {len(configs)} "
           f"configs x archs {archs}", flush=True)
     print(header, flush=True)
+    def report(r: Result) -> None:
+        line = row(r)
+        if before:
+            old = before.get(tuple(x.strip() for x in line.split("|")[1:3]))
+            line += (f" {old[7]} / {old[8]} / {old[9]} / {old[10]} / {old[13]} |" if old
+                     else " - |")
+        lines.append(line)
+        print(line, flush=True)
+
     for arch in archs:
-        for c in configs:
-            line = row(compile_config(c, arch))
-            if before:
-                old = before.get(tuple(x.strip() for x in line.split("|")[1:3]))
-                line += (f" {old[7]} / {old[8]} / {old[9]} / {old[10]} / {old[13]} |" if old
-                         else " - |")
-            lines.append(line)
-            print(line, flush=True)
+        compile_isolated(configs, arch, on_result=report)
     if a.out:
         cpu = _cpu_name()
         with open(a.out, "w") as f:

@@ -3,9 +3,13 @@ compiled ahead of time for Hopper (``sm_90a``) on the CPU (``benchmarks/gpu_reso
 GPU needed): each compiles, fits the 227 KB of shared memory a CTA may use, and keeps
 local-memory traffic (spills) out of the kv loop (DSA's kernels: no spill at all); the 64-row
 configs get Hopper's wgmma. A small set here; ``python -m benchmarks gpu-resources`` prints the
-whole grid. Skipped on the GPU run (CPU work, no GPU time)."""
+whole grid; its default run (both archs, sm_90a and sm_100a) is run here too, narrowed to one
+config (and in full under ``-m slow``), with a compile that aborts its process reported as a
+row. Skipped on the GPU run (CPU work, no GPU time)."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -101,3 +105,80 @@ def test_residency() -> None:
     assert res.residency(168, 128, 30 * 1024, 90) == 3  # 168 -> 5376 per warp: 3 by registers
     assert res.residency(255, 256, 150 * 1024, 90) == 1
     assert res.residency(64, 128, 0, 90) == 8
+
+
+def _table(path) -> dict[tuple[str, str], str]:
+    """The rows of a table written by ``gpu-resources --out``: (config, arch) -> the row."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        cells = [x.strip() for x in line.split("|")[1:-1]]
+        if len(cells) > 2 and cells[1].startswith("sm_"):
+            rows[(cells[0], cells[1])] = line
+    return rows
+
+
+def test_default_archs_run_to_the_end(tmp_path) -> None:
+    """The command with its default archs (sm_90a, sm_100a) on the config whose sm_100a compile
+    used to abort the whole run (128 heads: the Gluon kernel's wgmma): a compiled row per arch,
+    the Gluon kernel on sm_90a, the Triton kernel (tcgen05) on sm_100a."""
+    out = tmp_path / "t.md"
+    assert res.main(["--quick", "--heads", "128", "--q-lens", "1", "--caches", "bf16",
+                     "--out", str(out)]) == 0
+    rows = _table(out)
+    assert set(rows) == {("bf16 h128 q1", "sm_90a"), ("bf16 h128 q1", "sm_100a")}
+    for line in rows.values():
+        assert "failed" not in line and "skipped" not in line, line
+    assert "| wgmma |" in rows[("bf16 h128 q1", "sm_90a")]
+    assert "| tcgen05 |" in rows[("bf16 h128 q1", "sm_100a")]
+
+
+def test_gluon_rows_off_hopper_are_skipped_with_the_reason() -> None:
+    gluon = res.Config(128, 1, "bf16", (("gluon", True),))
+    (r,) = res.compile_isolated([gluon], 100)
+    assert not r.error and "sm_90a only" in r.skipped and r.regs == 0
+    assert "skipped: the Gluon kernel serves sm_90a only" in res.row(r)
+
+
+@pytest.mark.slow
+def test_full_default_run(tmp_path) -> None:
+    """``python -m benchmarks gpu-resources`` with every default (both archs, the knob grid):
+    it finishes and every row is compiled or skipped with its reason."""
+    out = tmp_path / "t.md"
+    assert res.main(["--out", str(out)]) == 0
+    rows = _table(out)
+    assert {arch for _, arch in rows} == {"sm_90a", "sm_100a"}
+    assert not [line for line in rows.values() if "failed" in line]
+
+
+_FAKE_CHILD = """
+import json, os, sys
+args = sys.argv[1:]
+arch = int(args[args.index("--arch") + 1])
+for h, *_ in json.loads(args[args.index("--json") + 1]):
+    if h == 99:  # as LLVM does when it cannot select an instruction
+        sys.stderr.write("LLVM ERROR: Cannot select: intrinsic\\n")
+        sys.stderr.flush()
+        os.abort()
+    if h == 7:
+        sys.exit(3)
+    print(json.dumps({"config": None, "arch": arch, "regs": h}), flush=True)
+"""
+
+
+def test_a_compile_that_aborts_its_process_is_a_row(tmp_path) -> None:
+    """A child that aborts on a config: that config's row says so (the LLVM message), a fresh
+    child compiles the rest; a child failing otherwise raises."""
+    script = tmp_path / "child.py"
+    script.write_text(_FAKE_CHILD)
+    child = [sys.executable, str(script)]
+    configs = [res.Config(h, 1, "bf16") for h in (16, 99, 32, 99, 64)]
+    seen = []
+    got = res.compile_isolated(configs, 100, on_result=seen.append, child=child)
+    assert [r.config for r in got] == configs and seen == got
+    assert [r.regs for r in got] == [16, 0, 32, 0, 64]
+    for r in (got[1], got[3]):
+        assert "compile aborted the process" in r.error and "LLVM ERROR" in r.error
+        assert r.arch == 100 and "failed: compile aborted" in res.row(r)
+    assert not got[0].error and not got[4].error
+    with pytest.raises(RuntimeError, match="exit 3"):
+        res.compile_isolated([res.Config(7, 1, "bf16")], 90, child=child)

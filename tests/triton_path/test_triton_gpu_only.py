@@ -116,8 +116,8 @@ def test_gluon_kernel_matches_reference(
     from triton_case import tops
 
     launched = []
-    real = tops._launch_gluon_attention
-    monkeypatch.setattr(tops, "_launch_gluon_attention",
+    real = tops.gluon.launch_gluon_attention
+    monkeypatch.setattr(tops.gluon, "launch_gluon_attention",
                         lambda *a, **k: launched.append(1) or real(*a, **k))
     kernels = TritonKernels(gluon=True, num_kv_splits=splits)
     out = mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, case.plan(kernels),

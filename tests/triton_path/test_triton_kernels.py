@@ -372,7 +372,7 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
     from mla_backend.ops.triton.jit import attention
 
     compiled = triton.JITFunction(attention.absorbed_attn_kernel.fn)  # as on a GPU machine
-    monkeypatch.setattr(tops, "absorbed_attn_kernel", compiled)
+    monkeypatch.setattr(tops.absorbed, "absorbed_attn_kernel", compiled)
     case = TCase([4], [1], H=2, r=16, rope=16, page_size=16, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         case.triton()
@@ -580,3 +580,17 @@ def test_gluon_knob_plans_whole_pages_and_falls_back_off_gpu() -> None:
     if not ON_GPU:
         assert_matches(case, mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, plan,
                                                    case.scale))
+
+
+@pytest.mark.parametrize("arch,gluon", [(90, True), (100, False), (80, False), (None, True)])
+def test_gluon_serves_hopper_only(arch: int | None, gluon: bool) -> None:
+    """A call recorded for compute capability ``arch`` launches the Gluon kernel on Hopper
+    (sm_90; None: any arch) and the Triton kernel elsewhere (Blackwell has no wgmma)."""
+    case = TCase([130, 7], [1, 1], H=128, r=512, rope=64, page_size=64, seed=4,
+                 q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    plan = case.plan(TritonKernels(gluon=True))
+    with tops.record_launches(arch) as launches:
+        mb.absorbed_attention(case.q_lat, case.q_pe, case.kv_cache, plan, case.scale)
+    names = {getattr(x.kernel, "fn", x.kernel).__name__ for x in launches}
+    assert ("absorbed_attn_gluon_kernel" in names) == gluon
+    assert ("absorbed_attn_kernel" in names) == (not gluon)

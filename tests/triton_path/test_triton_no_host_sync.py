@@ -74,8 +74,8 @@ def test_op_bodies_read_no_tensor_data_on_host(cache_dtype: torch.dtype) -> None
     slots = torch.tensor([3, -1], device=DEVICE)
     # as the op runs them eagerly: kernels launched directly, not through the tracing wrapper
     with set_wrap_triton_enabled(False), CountSyncs() as counter:
-        o, lse = tops._absorbed_attention_op(*args)
-        tops._write_latent_op(case.kv_cache, c_kv, k_pe, slots, scale, False)
+        o, lse = tops.absorbed.absorbed_attention_op(*args)
+        tops.write.write_latent_op(case.kv_cache, c_kv, k_pe, slots, scale, False)
     assert counter.sites == []
     o2, lse2 = torch.ops.mla_backend.triton_absorbed_attention(*args)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)

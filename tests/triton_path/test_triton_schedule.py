@@ -1,15 +1,24 @@
 """The Triton kernel's plan-time split schedule (:mod:`mla_backend.ops.triton.schedule`), on
 host ints: every kv tile of every query block is computed by exactly one piece, in order; the
-split ids and counts are consistent; pieces are balanced; sizes depend only on the number of
-query blocks and pieces (so a refreshed plan can rewrite them in place)."""
+split ids and counts are consistent; pieces are balanced (within the budget rounded up by an
+eighth); sizes depend only on the number of query blocks and pieces (so a refreshed plan can
+rewrite them in place); a batch of requests that fit the rounded-up budget is not split (128
+decodes of 4K / 8K kv on an H100's / H200's 132 SMs, one program per SM), while a long request
+among few still is."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mla_backend as mb
+from mla_backend.ops.triton.jit import heuristics as hx
 from mla_backend.ops.triton.schedule import build_schedule, max_partial_slots, query_block_tiles
+
+SMS = 132  # H100 SXM / H200
+OVERHEAD, MIN_UNITS = hx.OVERHEAD_KV_ROWS // 64, hx.MIN_KV_ROWS_PER_PART // 64  # 64-row tiles
 
 
 def _pieces(meta: list[list[int]], tiles: list[int], block_n: int):
@@ -54,13 +63,16 @@ def test_schedule_covers_every_tile_once(tiles, num_parts, overhead, min_units, 
             assert n == len(spans)
             assert split_ids[w] == list(range(base[w], base[w + 1]))
     assert base[-1] <= max_partial_slots(num_parts)
-    # balance: no piece carries more than its share (rounded up) plus one block's overhead
+    # balance: no piece carries more than its share, rounded up by an eighth (a block kept
+    # whole); a block longer than that is cut into pieces of at most the share
     total = sum(t + overhead for t in tiles)
     per = max(-(-total // num_parts), min_units, 1)
     load = [0] * num_parts
-    for k, _, a, b in _pieces(meta, tiles, block_n):
+    for k, w, a, b in _pieces(meta, tiles, block_n):
         load[k] += (b - a) // block_n
-    assert max(load, default=0) <= per
+        if tiles[w] + overhead > per + per // 8:
+            assert (b - a) // block_n <= per
+    assert max(load, default=0) <= per + per // 8
 
 
 def test_long_requests_get_more_splits() -> None:
@@ -80,3 +92,53 @@ def test_query_block_tiles_are_causal() -> None:
 def test_schedule_rejects_no_parts() -> None:
     with pytest.raises(ValueError, match="num_parts=0"):
         build_schedule([3], 0, 1)
+
+
+def _splits(base: list[int]) -> list[int]:
+    return [b - a for a, b in zip(base, base[1:], strict=False)]
+
+
+@pytest.mark.parametrize("kv,q_len", [(4096, 1), (8192, 1), (4096, 2), (4000, 1)])
+def test_a_batch_that_fits_the_budget_is_not_split(kv, q_len) -> None:
+    """128 requests on 132 pieces (one program per SM): each fits the rounded-up budget, so
+    none is split (no partials, no merge) and each piece serves at most one request."""
+    tiles = query_block_tiles([q_len] * 128, [kv] * 128, q_len, 64)
+    meta, base = build_schedule(tiles, SMS, OVERHEAD, MIN_UNITS, 64)
+    assert base[-1] == 0
+    pieces = [(w0, w1) for w0, _, w1, _, _ in meta if w0 <= w1]
+    assert len(pieces) == 128 and all(w0 == w1 for w0, w1 in pieces)
+    assert all(n0 == 0 and n1 == tiles[w0] * 64 for w0, n0, w1, n1, _ in meta if w0 <= w1)
+
+
+@pytest.mark.parametrize("long,short", [([65536], []), ([65536] * 2, [512] * 64),
+                                        ([32768] * 4, [2048] * 60)])
+def test_long_context_is_still_split(long, short) -> None:
+    """Long requests among few or short ones on 132 pieces: each long one is cut into many
+    pieces of at most the per-piece share; the short ones (under the budget) stay whole."""
+    kv = long + short
+    tiles = query_block_tiles([1] * len(kv), kv, 1, 64)
+    meta, base = build_schedule(tiles, SMS, OVERHEAD, MIN_UNITS, 64)
+    splits = _splits(base)
+    per = -(-sum(t + OVERHEAD for t in tiles) // SMS)
+    assert all(n >= (tiles[0] + OVERHEAD) // per for n in splits[: len(long)])
+    assert not any(splits[len(long):])
+
+
+@pytest.mark.parametrize(
+    "heads,knobs", [(128, {}), (16, {"pad_rows": True}), (32, {"pad_rows": True})]
+)
+def test_plan_of_128_decodes_on_132_sms_splits_nothing(monkeypatch, heads, knobs) -> None:
+    """Through the Triton implementation's plan (one program per SM: 64-row tiles, 8 warps):
+    128 decodes of 4K kv on 132 SMs have a schedule with no split block."""
+    from mla_backend.ops.triton import Kernels
+
+    monkeypatch.setattr(hx, "sm_count", lambda device: SMS)
+    kv, page = 4096, 64
+    table = torch.arange(128 * kv // page, dtype=torch.int32).view(128, kv // page)
+    batch = mb.MLABatch.build([kv - 1] * 128, [1] * 128, table, page, mb.Phase.DECODE,
+                              block_table_host=table)
+    plan = mb.plan(batch, mb.MLADims(heads, 512, 128, 64, 512), mb.Policy("absorb"),
+                   device=torch.device("cpu"), impl=Kernels(**knobs))
+    state = plan.step.work.state
+    assert int(state.split_base[-1]) == 0
+    assert state.part_meta.shape[0] * -(-heads // 64) >= SMS  # one wave of programs per SM

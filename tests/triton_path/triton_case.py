@@ -40,6 +40,8 @@ def load_triton_ops():
     if not isinstance(attention.absorbed_attn_kernel, InterpretedFunction):
         for module in (attention, cache_write, indexer, sparse_attention):
             importlib.reload(module)  # the kernels' users after the helpers they import
+        for name in ("write", "absorbed"):  # the op modules that hold the kernels
+            importlib.reload(sys.modules[f"mla_backend.ops.triton.ops.{name}"])
         triton_ops = importlib.reload(sys.modules["mla_backend.ops.triton.ops"])
         importlib.reload(dsa)
     return triton_ops

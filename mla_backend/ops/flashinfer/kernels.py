@@ -4,9 +4,10 @@ One rule decides who serves an absorbed call: FlashInfer's MLA wrapper when the 
 planned for it (CUDA, ``kv_lora_rank`` 512, rope 64, flashinfer importable) and the call brings
 what it was planned for (queries and cache in the planned bf16 / fp16 dtype, no fp8 or
 ``fp8_ds_mla`` cache, the planned softmax scale); our Triton kernel otherwise (odd dims, fp8
-caches, CPU tensors under the interpreter). The cache write is the Triton implementation's;
-the absorption GEMMs, the normal path and DSA are delegated explicitly to the torch
-implementation (:func:`mla_backend.ops.torch.torch_default`).
+caches, CPU tensors under the interpreter). The class subclasses the Triton implementation and
+overrides only that call, the plan state it needs and its record; everything else (cache
+write, absorption GEMMs, normal path, DSA's index-key write, indexer and sparse attention) is
+the Triton implementation's, inherited.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cost import DeviceProfile
 from ...decision import Decision
 from ...parts import PlanState, StepShape
-from ..base import AbsorbedCall, KernelImpl, LatentWrite
-from ..torch import torch_default
+from ..base import AbsorbedCall
 from ..triton import Kernels as TritonKernels
 from ..triton.schedule import TritonSchedule
 from . import wrapper as fi
@@ -41,10 +40,12 @@ class FlashInferState(PlanState):
             self.wrapper.copy_(other.wrapper)
 
 
-class Kernels(KernelImpl):
+class Kernels(TritonKernels):
     """FlashInfer's MLA paged attention for the absorbed path where it serves (see the module
-    doc), composed with the Triton implementation (``fallback``) for the rest: each seam
-    method below names which of the two serves it.
+    doc), on the Triton implementation it subclasses: it overrides only what it serves
+    (the absorbed attention, the plan state that holds its planned wrapper, the record of
+    what runs); every other seam method, DSA's included, is the Triton
+    implementation's, inherited.
 
     Knobs: ``dtype`` (bf16 default): the queries' and cache's dtype the wrapper is planned for;
     ``softmax_scale`` (default: the dims' ``1 / sqrt(nope + rope)``): the scale it is planned
@@ -53,16 +54,6 @@ class Kernels(KernelImpl):
 
     name = "flashinfer"
 
-    absorb_q = torch_default("absorb_q")
-    apply_W_UV = torch_default("apply_W_UV")
-    gather_latent = torch_default("gather_latent")
-    decompress = torch_default("decompress")
-    attention_with_lse = torch_default("attention_with_lse")
-    write_index_keys = torch_default("write_index_keys")
-    indexer_logits = torch_default("indexer_logits")
-    indexer_topk = torch_default("indexer_topk")
-    sparse_absorbed_attention = torch_default("sparse_absorbed_attention")
-
     def __init__(
         self,
         *,
@@ -70,7 +61,7 @@ class Kernels(KernelImpl):
         softmax_scale: float | None = None,
         **triton_knobs: object,
     ) -> None:
-        self.fallback = TritonKernels(**triton_knobs)  # type: ignore[arg-type]
+        super().__init__(**triton_knobs)  # type: ignore[arg-type]
         if dtype not in fi.DTYPES:
             raise ValueError(f"dtype={dtype} is not served by FlashInfer's MLA wrapper; use "
                              f"one of {fi.DTYPES}")
@@ -79,11 +70,12 @@ class Kernels(KernelImpl):
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 
     def __repr__(self) -> str:
-        return f"ops.flashinfer.Kernels(dtype={self.dtype}, softmax_scale={self.softmax_scale})"
+        return (f"ops.flashinfer.Kernels(dtype={self.dtype}, softmax_scale={self.softmax_scale}, "
+                f"triton={super().__repr__()})")
 
     def describe(self, device: torch.device) -> dict[str, Decision]:
         return {
-            **self.fallback.describe(device),
+            **super().describe(device),
             "absorbed": Decision(
                 "FlashInfer's BatchMLAPagedAttentionWrapper where it serves, Triton elsewhere",
                 f"FlashInfer serves CUDA, r {fi.KV_LORA_RANK}, rope {fi.ROPE_DIM}, "
@@ -91,21 +83,10 @@ class Kernels(KernelImpl):
             ),
         }
 
-    # -- the Triton implementation's --------------------------------------------------------
-    def cost_profile(self, device: torch.device) -> DeviceProfile:
-        return self.fallback.cost_profile(device)
-
-    def work_shape(self, step: StepShape) -> tuple[int, int]:
-        return self.fallback.work_shape(step)
-
-    def write_latent(self, w: LatentWrite) -> None:
-        self.fallback.write_latent(w)
-
-    # -- FlashInfer's where it serves ------------------------------------------------------
     def plan_state(self, step: StepShape, block_q: int, num_splits: int) -> FlashInferState:
         """The Triton schedule, plus the part's planned FlashInfer wrapper when FlashInfer
         serves these dims on this device."""
-        sched = self.fallback.plan_state(step, block_q, num_splits)
+        sched = super().plan_state(step, block_q, num_splits)
         if not fi.plan_serves(step.dims, step.device):
             return FlashInferState(sched, None)
         if step.device not in self._workspaces:
@@ -122,6 +103,9 @@ class Kernels(KernelImpl):
         return FlashInferState(sched, plan)
 
     def absorbed_attention(self, call: AbsorbedCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashInfer's wrapper where the call brings what it was planned for
+        (:func:`wrapper.run_serves`), the Triton kernel on the plan's Triton schedule
+        otherwise."""
         state = call.part.work.state
         if not isinstance(state, FlashInferState):
             raise ValueError(
@@ -134,4 +118,5 @@ class Kernels(KernelImpl):
             plan.softmax_scale, call.kv_scale,
         ):
             return call.deliver(*plan.run(call.q_lat, call.q_pe, call.kv_cache))
-        return self.fallback.run_scheduled(call, state.triton)
+        return self.run_scheduled(call, state.triton)
+

@@ -40,7 +40,9 @@ from ..torch import sparse_attention as torch_sparse
 from .jit import heuristics as hx
 from .jit.indexer import indexer_logits_kernel, topk_select_kernel, write_index_keys_kernel
 from .jit.sparse_attention import sparse_attn_kernel, sparse_merge_kernel
-from .ops import _TL_DTYPE, _check_runnable, _interpreting, _launch, _resolve_fp8_mode, _skip_launch
+from .ops.checks import TL_DTYPE, check_runnable, skip_launch
+from .ops.fp8_decode import resolve_fp8_mode
+from .ops.launch import interpreting, launch
 
 if TYPE_CHECKING:
     from ..base import IndexerCall, IndexKeyWrite, SparseCall
@@ -78,7 +80,7 @@ def indexer_supported(num_blocks: int) -> bool:
 def _dot_dtype(q: torch.dtype, k: torch.dtype) -> torch.dtype:
     """The dot operands' dtype for queries ``q`` and keys ``k`` (e4m3 = FP8): exact for both."""
     if q in (torch.bfloat16, FP8) and k in (torch.bfloat16, FP8):
-        return torch.float32 if _interpreting() else torch.bfloat16
+        return torch.float32 if interpreting() else torch.bfloat16
     if q in (torch.float16, FP8) and k in (torch.float16, FP8):
         return torch.float16
     return torch.float32
@@ -96,15 +98,15 @@ def _write_index_keys_op(
     """``mla_backend::triton_write_index_keys``: k_I [T, Di] (last dim contiguous), slots [T]
     contiguous, T >= 1; uint8 cache: fp8 (``quant_block`` values per scale)."""
     T, Di = k_I.shape
-    if _skip_launch(index_cache):
+    if skip_launch(index_cache):
         return
-    _check_runnable(index_cache.device, write_index_keys_kernel)
+    check_runnable(index_cache.device, write_index_keys_kernel)
     fp8 = index_cache.dtype == torch.uint8
     nb = Di // quant_block if fp8 else 1
     round_bf16 = (
-        _interpreting() and index_cache.dtype == torch.bfloat16 and k_I.dtype != torch.bfloat16
+        interpreting() and index_cache.dtype == torch.bfloat16 and k_I.dtype != torch.bfloat16
     )
-    _launch(write_index_keys_kernel, (T,),
+    launch(write_index_keys_kernel, (T,),
         index_cache, k_I, slots, Di, index_cache.shape[1], quant_block, nb,
         index_cache.stride(0), k_I.stride(0),
         FP8=fp8, UE8M0=ue8m0, BLOCK_NB=hx.next_pow2(nb),
@@ -155,14 +157,14 @@ def _launch_logits(
         cache_arg = index_cache
     blocks = triton.cdiv(max(width, 1), INDEX_BLOCK_N)
     splits = max(1, min(blocks, triton.cdiv(hx.PROGRAMS_PER_SM * hx.sm_count(q_I.device), tc)))
-    _launch(indexer_logits_kernel, (tc, splits),
+    launch(indexer_logits_kernel, (tc, splits),
         q_arg, weights, cache_arg, block_table, token_req, token_pos, out, t0,
         Hi, Di, index_cache.shape[1], qb, nb, width, splits,
         q_I.stride(0), q_I.stride(1), weights.stride(0), index_cache.stride(0),
         block_table.stride(0), out.stride(0),
         BLOCK_H=hx.dim_block(Hi), BLOCK_N=INDEX_BLOCK_N, BLOCK_QB=hx.dim_block(qb), NUM_QB=nb,
         FP8_CACHE=fp8_cache, Q_BITS=q_bits, K_BITS=bits and fp8_cache,
-        DOT_DTYPE=_TL_DTYPE[dot], IEEE=dot == torch.float32, FILL=fill, num_warps=4,
+        DOT_DTYPE=TL_DTYPE[dot], IEEE=dot == torch.float32, FILL=fill, num_warps=4,
     )  # fmt: skip
 
 
@@ -174,9 +176,9 @@ def _indexer_logits_op(
     """``mla_backend::triton_indexer_logits`` -> float32 [T, width]."""
     T = q_I.shape[0]
     out = torch.empty(T, width, dtype=torch.float32, device=q_I.device)
-    if T == 0 or width == 0 or _skip_launch(q_I):
+    if T == 0 or width == 0 or skip_launch(q_I):
         return out
-    _check_runnable(q_I.device, indexer_logits_kernel)
+    check_runnable(q_I.device, indexer_logits_kernel)
     _launch_logits(q_I, weights, index_cache, block_table, token_req, token_pos, out, 0, T,
                    quant_block, width, True, fp8_bits)  # fmt: skip
     return out
@@ -196,9 +198,9 @@ def _indexer_topk_op(
         return out
     chunk = max(1, min(T, LOGITS_BUDGET // max(width, 1)))
     scratch = torch.empty(chunk, max(width, 1), dtype=torch.float32, device=dev)
-    if _skip_launch(q_I):
+    if skip_launch(q_I):
         return out
-    _check_runnable(dev, topk_select_kernel)
+    check_runnable(dev, topk_select_kernel)
     for t0 in range(0, T, chunk):
         tc = min(chunk, T - t0)
         _launch_logits(q_I, weights, index_cache, block_table, token_req, token_pos, scratch,
@@ -213,7 +215,7 @@ def select_topk(
     """The top-k rule over rows ``0 .. tc`` of ``logits`` (float32 [>= tc, W], row i = token
     ``t0 + i``, which sees positions ``0 .. token_pos[t0 + i]``) into rows ``t0 .. t0 + tc`` of
     ``out`` (int32 [T, topk]): one program per row (:func:`.jit.indexer.topk_select_kernel`)."""
-    _launch(topk_select_kernel, (tc,),
+    launch(topk_select_kernel, (tc,),
         logits, token_pos, out, t0, out.shape[1], logits.stride(0), out.stride(0),
         BLOCK=SELECT_BLOCK, RADIX_BITS=RADIX_BITS, num_warps=8,
     )  # fmt: skip
@@ -221,7 +223,7 @@ def select_topk(
 
 def _indexer_args(call: IndexerCall, fp8_mode: str | None) -> tuple:
     q_I = call.q_I
-    bits = _resolve_fp8_mode(fp8_mode, q_I.device) == "bits" and (
+    bits = resolve_fp8_mode(fp8_mode, q_I.device) == "bits" and (
         q_I.dtype == FP8 or call.layout.kind == "fp8"
     )
     qb = call.layout.quant_block_size if call.layout.kind == "fp8" else 0
@@ -306,12 +308,12 @@ def _sparse_attention_op(
     split = num_splits > 1
     part_o = torch.empty(num_splits if split else 0, T, H, r, dtype=torch.float32, device=dev)
     part_lse = torch.empty(num_splits if split else 0, T, H, dtype=torch.float32, device=dev)
-    if _skip_launch(q_lat):
+    if skip_launch(q_lat):
         return o, lse
-    _check_runnable(dev, sparse_attn_kernel)
+    check_runnable(dev, sparse_attn_kernel)
     e4m3 = kv_cache.dtype in (FP8, torch.uint8)
     chunk, n_chunks, block_h, block_n = sparse_tiles(r, H, cd == torch.float32, e4m3)
-    round_bf16 = _interpreting() and cd == torch.bfloat16
+    round_bf16 = interpreting() and cd == torch.bfloat16
     dot = torch.float32 if round_bf16 else cd
     ds = kv_cache.dtype == torch.uint8
     has_scale = kv_scale is not None and not ds
@@ -320,7 +322,7 @@ def _sparse_attention_op(
     else:
         kv_arg = kv_cache.view(torch.uint8) if fp8_bits else kv_cache
     grid = (T, triton.cdiv(H, block_h), num_splits)
-    _launch(sparse_attn_kernel, grid,
+    launch(sparse_attn_kernel, grid,
         q_lat, q_pe if rope else q_lat, kv_arg, block_table, kv_lens, token_req, indices,
         kv_scale if has_scale else lse, o, lse, part_o if split else lse,
         part_lse if split else lse,
@@ -331,14 +333,14 @@ def _sparse_attention_op(
         lse.stride(0), lse.stride(1),
         BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk, NUM_CHUNKS=n_chunks,
         BLOCK_ROPE=hx.dim_block(rope), HAS_ROPE=rope > 0, HAS_SCALE=has_scale,
-        FP8_BITS=fp8_bits, DOT_DTYPE=_TL_DTYPE[dot], P_DTYPE=_TL_DTYPE[cd],
+        FP8_BITS=fp8_bits, DOT_DTYPE=TL_DTYPE[dot], P_DTYPE=TL_DTYPE[cd],
         IEEE=dot == torch.float32, ROUND_BF16=round_bf16, ROUND_OUT=round_bf16 and not split,
-        DS=ds, ROPE_DTYPE=_TL_DTYPE[cd], SPLIT=split,
+        DS=ds, ROPE_DTYPE=TL_DTYPE[cd], SPLIT=split,
         num_warps=SPARSE_WARPS if r >= 256 else 4, num_stages=SPARSE_STAGES,
     )  # fmt: skip
     if split:
         mb_h = min(hx.next_pow2(H), 16)
-        _launch(sparse_merge_kernel, (T, triton.cdiv(H, mb_h)),
+        launch(sparse_merge_kernel, (T, triton.cdiv(H, mb_h)),
             part_o, part_lse, o, lse, num_splits, T, H, r, o.stride(0), o.stride(1),
             lse.stride(0), lse.stride(1),
             BLOCK_H=mb_h, BLOCK_R=hx.dim_block(r), ROUND_BF16=round_bf16, num_warps=4,
@@ -369,7 +371,7 @@ def sparse_attention(
                                 block_n, dev, num_splits)  # fmt: skip
     lay = a.layout
     ds = lay.kind == "fp8_ds_mla"
-    bits = lay.kind != "plain" and _resolve_fp8_mode(fp8_mode, dev) == "bits"
+    bits = lay.kind != "plain" and resolve_fp8_mode(fp8_mode, dev) == "bits"
     q_pe = a.q_pe.to(a.q_lat.dtype)
     o, lse = torch.ops.mla_backend.triton_sparse_attention(
         a.q_lat if a.q_lat.stride(-1) == 1 else a.q_lat.contiguous(),

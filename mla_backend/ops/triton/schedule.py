@@ -4,13 +4,23 @@ built on the host from the plan's ints, so a per-layer call reads nothing back).
 Work: every query block ``w`` (``block_q`` new tokens of one request, all heads) must attend to
 ``kv_need[w] = min(prefix + q0 + block_q, kv_len)`` kv rows, i.e. ``tiles[w] =
 ceil(kv_need[w] / block_n)`` kv tiles. Each query block also costs a fixed ``overhead`` (load
-Q, write a partial, merge it) counted in tiles. Lay the blocks' costs end to end
-(``tiles[w] + overhead`` units each) and cut the line into ``num_parts`` equal pieces: piece
-``k`` is what the ``k``-th program of the grid's first axis computes (a run of consecutive
-query blocks, the first and last possibly partial). A query block cut by a piece boundary is
-split: each piece writes an fp32 partial and its LSE, and the merge kernel combines them. A
-block served whole by one piece writes its final output directly. Long requests therefore get
-more splits than short ones, and every program gets about the same number of kv tiles.
+Q, write a partial, merge it) counted in tiles, so it costs ``tiles[w] + overhead`` units.
+Piece ``k`` is what the ``k``-th program of the grid's first axis computes: a run of
+consecutive query blocks, the first and last possibly partial. A query block cut by a piece
+boundary is split: each piece writes an fp32 partial and its LSE, and the merge kernel
+combines them. A block served whole by one piece writes its final output directly.
+
+The cut (FlashInfer's plan rule, in our units): each piece's budget is ``per = ceil(total /
+num_parts)`` units; a query block that fits the budget rounded up (``per + per //``
+:data:`KEEP_SLACK`) is never split: it goes whole into the current piece if it fits what that
+piece has left of the rounded budget, else it starts the next piece. Longer blocks are cut
+into ``per``-unit pieces (the first filling what the current piece has left). So a batch of
+about ``num_parts`` equal requests (128 decodes of 4K kv on 132 one-program-per-SM pieces)
+splits none and needs no merge, while a long request among few is still cut into many pieces.
+Where keeping blocks whole would need more than ``num_parts`` pieces, the line is cut into
+``num_parts`` equal pieces instead (the blocks' costs laid end to end), which always fits.
+Long requests therefore get more splits than short ones, and every program about the same
+number of kv tiles.
 
 Sizes are fixed by (number of query blocks ``W``, ``num_parts``), not by the kv lengths, so
 :meth:`mla_backend.MLAPlan.refresh_` can rewrite the schedule in place for a CUDA graph:
@@ -72,10 +82,67 @@ def max_partial_slots(num_parts: int) -> int:
     return 2 * (num_parts - 1)
 
 
+#: a query block of at most ``per + per // KEEP_SLACK`` units (the per-piece budget rounded up
+#: by an eighth) is kept whole: an eighth more work in one piece costs less than its split's
+#: partial writes and merge
+KEEP_SLACK = 8
+
+
+def piece_budget(total: int, num_parts: int, min_units: int = 1) -> tuple[int, int]:
+    """(``per``, ``keep``): the units a piece is cut to and the rounded-up budget under which
+    a query block is kept whole, for ``total`` units over ``num_parts`` pieces."""
+    per = max(-(-total // num_parts), min_units, 1)
+    return per, per + per // KEEP_SLACK
+
+
+#: one piece's shares: (query block, first unit, end unit) on the block's own unit line
+_Shares = list[list[tuple[int, int, int]]]
+
+
+def _keep_whole(units: Sequence[int], num_parts: int, per: int, keep: int) -> _Shares | None:
+    """The pieces' shares with every block of at most ``keep`` units whole (see the module
+    doc), or None where that needs more than ``num_parts`` pieces."""
+    shares: _Shares = [[] for _ in range(num_parts)]
+    k = used = 0
+    for w, u in enumerate(units):
+        if u <= keep and used and used + u > keep:
+            k, used = k + 1, 0  # does not fit what is left: starts the next piece
+        a = 0
+        while True:
+            if k >= num_parts:
+                return None
+            b = u if u <= keep else min(u, a + per - used)
+            shares[k].append((w, a, b))
+            used += b - a
+            a = b
+            if used >= per:
+                k, used = k + 1, 0
+            if a >= u:
+                break
+    return shares
+
+
+def _line_cut(units: Sequence[int], num_parts: int, per: int) -> _Shares:
+    """The blocks' units laid end to end, cut every ``per`` units (the last piece takes what
+    rounding left over)."""
+    shares: _Shares = [[] for _ in range(num_parts)]
+    start = 0  # first unit of block w on the line
+    for w, u in enumerate(units):
+        k = start // per
+        while k < num_parts and k * per < start + u:
+            a = max(k * per, start) - start  # piece k's share of block w, in units
+            b = u if k == num_parts - 1 else min((k + 1) * per, start + u) - start
+            shares[k].append((w, a, b))
+            k += 1
+        start += u
+    return shares
+
+
 def build_schedule(
     tiles: Sequence[int], num_parts: int, overhead: int, min_units: int = 1, block_n: int = 1
 ) -> tuple[list[list[int]], list[int]]:
-    """Cut the query blocks' tiles into ``num_parts`` pieces of about equal cost.
+    """Cut the query blocks' tiles into ``num_parts`` pieces (see the module doc: blocks that
+    fit the rounded-up budget whole, longer ones cut into equal pieces).
 
     Args:
         tiles: kv tiles per query block (each >= 1).
@@ -90,23 +157,15 @@ def build_schedule(
         raise ValueError(f"num_parts={num_parts} must be >= 1")
     W = len(tiles)
     units = [t + overhead for t in tiles]
-    total = sum(units)
-    per = max(-(-total // num_parts), min_units, 1)
-    # segments[k]: (w, tile_begin, tile_end) of piece k, non-empty only
-    segments: list[list[tuple[int, int, int]]] = [[] for _ in range(num_parts)]
-    start = 0  # first unit of block w on the line
-    for w, u in enumerate(units):
-        k = start // per
-        while k < num_parts and k * per < start + u:
-            a = max(k * per, start) - start  # piece k's share of block w, in units
-            b = min((k + 1) * per, start + u) - start
-            t0, t1 = max(a - overhead, 0), max(b - overhead, 0)
-            if k == num_parts - 1:
-                t1 = tiles[w]  # the last piece takes whatever rounding left over
-            if t1 > t0:
-                segments[k].append((w, t0, t1))
-            k += 1
-        start += u
+    per, keep = piece_budget(sum(units), num_parts, min_units)
+    shares = _keep_whole(units, num_parts, per, keep) or _line_cut(units, num_parts, per)
+    # segments[k]: (w, tile_begin, tile_end) of piece k, non-empty only; a block's overhead
+    # is its first units
+    segments = [
+        [(w, max(a - overhead, 0), max(b - overhead, 0)) for w, a, b in piece
+         if max(b - overhead, 0) > max(a - overhead, 0)]
+        for piece in shares
+    ]
     counts = [0] * W
     first_split = []
     for segs in segments:

@@ -163,6 +163,7 @@ def absorbed_attn_kernel(
     q_lat_ptr,  # [T, H, r]
     q_pe_ptr,  # [T, H, rope] (unused when not HAS_ROPE)
     kv_ptr,  # [P, page_size, r + rope]
+    kv_scale_ptr,  # [] float32 (read only when HAS_SCALE)
     block_table_ptr,  # [B, max_pages] int32/int64
     prefix_lens_ptr,  # [B] int32
     new_lens_ptr,  # [B] int32
@@ -171,7 +172,6 @@ def absorbed_attn_kernel(
     blk_q0_ptr,  # [W] int32: first new-token index (within the request)
     part_meta_ptr,  # [num_parts, 5] int32: the plan's schedule (see schedule.py)
     split_base_ptr,  # [W + 1] int32: first partial slot of each split query block
-    kv_scale_ptr,  # [] float32 (read only when HAS_SCALE)
     out_ptr,  # [T, H, r] q dtype: final o_lat of query blocks served whole by one piece
     lse_ptr,  # [T, H] float32
     part_o_ptr,  # [S, BLOCK_Q, H, r] float32 partials of split query blocks (contiguous)
@@ -359,6 +359,59 @@ def absorbed_attn_kernel(
 
 
 @triton.jit
+def merge_partials(
+    part_o_ptr,  # [S, ..., H, r] float32 partial outputs (contiguous)
+    part_lse_ptr,  # [S, ..., H] float32 (contiguous)
+    slot0,  # int64: the first partial's row (in units of H heads)
+    slot_step,  # rows between consecutive partials of the same token
+    n_split,  # partials to merge (0: the output is left as it is)
+    heads,  # [BLOCK_H] int64 head indices
+    h_ok,  # [BLOCK_H] bool: heads to merge and write
+    num_heads,
+    r_dim,
+    out_ptr,  # [T, H, r] q dtype
+    lse_ptr,  # [T, H] float32
+    t,  # int64 token
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """Merge token ``t``'s ``n_split`` partials by their LSE (fp32; partial ``s`` of head ``h``
+    is row ``(slot0 + s * slot_step) * num_heads + h`` of ``part_o`` / ``part_lse``) into its
+    final output (out's dtype) and LSE (natural log; -inf where nothing had mass), for the
+    heads of ``h_ok``. The split-KV merge of the absorbed and the sparse attention."""
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = h_ok[:, None] & (offs_r < r_dim)[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for s in range(0, n_split):
+        prow = (slot0 + s * slot_step) * num_heads + heads
+        lse_s = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
+        o_s = tl.load(part_o_ptr + prow[:, None] * r_dim + offs_r[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        wgt = tl.exp(lse_s - m_use)
+        l_sum = l_sum * alpha + wgt
+        acc = acc * alpha[:, None] + wgt[:, None] * o_s
+        m = m_new
+    has_mass = l_sum > 0.0
+    l_safe = tl.where(has_mass, l_sum, 1.0)
+    o = acc / l_safe[:, None]
+    if ROUND_BF16:
+        o = _round_to_bf16_grid(o)
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_r[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(lse_ptr + t * stride_lt + heads * stride_lh,
+             tl.where(has_mass, m + tl.log(l_safe), float("-inf")), mask=h_ok)  # fmt: skip
+
+
+@triton.jit
 def merge_splits_kernel(
     blk_req_ptr,  # [W] int32
     blk_q0_ptr,  # [W] int32
@@ -393,34 +446,6 @@ def merge_splits_kernel(
     zero = tl.zeros([BLOCK_H], dtype=tl.int32)  # scalars as row vectors: mask dtype
     # a block served whole is already final
     h_ok = (heads < num_heads) & (zero + qj < n_new) & (zero + n_split > 0)
-    heads = heads.to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask = h_ok[:, None] & (offs_r < r_dim)[None, :]
-
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for s in range(0, n_split):
-        prow = ((g_base + s).to(tl.int64) * BLOCK_Q + j) * num_heads + heads
-        lse_s = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
-        o_s = tl.load(part_o_ptr + prow[:, None] * r_dim + offs_r[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        wgt = tl.exp(lse_s - m_use)
-        l_sum = l_sum * alpha + wgt
-        acc = acc * alpha[:, None] + wgt[:, None] * o_s
-        m = m_new
-
-    has_mass = l_sum > 0.0
-    l_safe = tl.where(has_mass, l_sum, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_mass, m + tl.log(l_safe), float("-inf"))
-    if ROUND_BF16:
-        o = _round_to_bf16_grid(o)
-    tl.store(
-        out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_r[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=h_ok)
+    merge_partials(part_o_ptr, part_lse_ptr, g_base.to(tl.int64) * BLOCK_Q + j, BLOCK_Q,
+                   n_split, heads.to(tl.int64), h_ok, num_heads, r_dim, out_ptr, lse_ptr, t,
+                   stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_H, BLOCK_R, ROUND_BF16)

@@ -20,8 +20,9 @@ What plain ``tl.dot`` cannot express and this kernel does (the resource check,
   (FlashMLA gives each warpgroup alternate kv tiles' ``S`` instead; here both work on every
   tile's ``S``, half each.)
 
-Scope (checked by :func:`serves`): bf16 / fp16 queries and cache, ``kv_lora_rank`` 512, rope 64,
-page size 64, heads a multiple of 16 dividing 64 or a multiple of 64. It runs the plan's
+Scope: a GPU of :data:`ARCHS` (Hopper), and (checked by :func:`serves`) bf16 / fp16 queries
+and cache, ``kv_lora_rank`` 512, rope 64, page size 64, heads a multiple of 16 dividing 64 or a
+multiple of 64. It runs the plan's
 schedule (:mod:`mla_backend.ops.triton.schedule`, cut at multiples of 64 rows) and writes the
 same outputs and partials as ``absorbed_attn_kernel``; the Triton merge kernel combines the
 partials. Unwritten cache rows of a request's last page (any bits, NaN included) are zeroed in
@@ -48,6 +49,9 @@ BLOCK_N = gl.constexpr(64)
 R = gl.constexpr(512)
 ROPE = gl.constexpr(64)
 NUM_WARPS = 8
+#: compute capabilities the kernel is built for: Hopper's (sm_90a: wgmma, TMA). Blackwell has
+#: no wgmma (Triton 3.6 aborts compiling it for sm_100a); there the Triton kernel serves.
+ARCHS = (90,)
 
 
 def serves(num_heads: int, r: int, rope: int, page_size: int, q_dtype: object,

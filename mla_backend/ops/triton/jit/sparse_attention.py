@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _dot, _e4m3_bits_to_f32, _round_to_bf16_grid
+from .attention import _dot, _e4m3_bits_to_f32, _round_to_bf16_grid, merge_partials
 
 
 @triton.jit
@@ -279,28 +279,6 @@ def sparse_merge_kernel(
     t = tl.program_id(0).to(tl.int64)
     heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     h_ok = heads < num_heads
-    offs_r = tl.arange(0, BLOCK_R)
-    mask = h_ok[:, None] & (offs_r < r_dim)[None, :]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for s in range(0, num_splits):
-        prow = (s * num_tokens + t) * num_heads + heads
-        lse_s = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
-        o_s = tl.load(part_o_ptr + prow[:, None] * r_dim + offs_r[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        wgt = tl.exp(lse_s - m_use)
-        l_sum = l_sum * alpha + wgt
-        acc = acc * alpha[:, None] + wgt[:, None] * o_s
-        m = m_new
-    has_mass = l_sum > 0.0
-    l_safe = tl.where(has_mass, l_sum, 1.0)
-    o = acc / l_safe[:, None]
-    if ROUND_BF16:
-        o = _round_to_bf16_grid(o)
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_r[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-    tl.store(lse_ptr + t * stride_lt + heads * stride_lh,
-             tl.where(has_mass, m + tl.log(l_safe), float("-inf")), mask=h_ok)  # fmt: skip
+    merge_partials(part_o_ptr, part_lse_ptr, t, num_tokens, num_splits, heads, h_ok,
+                   num_heads, r_dim, out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt,
+                   stride_lh, BLOCK_H, BLOCK_R, ROUND_BF16)
