@@ -17,10 +17,18 @@ Which implementation runs on a device is decided once, above the implementations
 
 from __future__ import annotations
 
-from .base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
+from .base import (
+    AbsorbedCall,
+    IndexerCall,
+    IndexKeyWrite,
+    KernelImpl,
+    LatentWrite,
+    MaskedMHACall,
+    SparseCall,
+)
 from .registry import IMPLS
 
 __all__ = [
     "IMPLS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
-    "SparseCall",
+    "MaskedMHACall", "SparseCall",
 ]  # fmt: skip

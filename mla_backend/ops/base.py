@@ -30,7 +30,7 @@ from ..cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ..decision import Decision
 from ..parts import PlanState, StepShape
 from ..weights import AbsorbWeights, absorb_q, apply_W_UV
-from . import dense, indexer, paged, sdpa, sparse
+from . import dense, indexer, paged, sdpa, sparse, sparse_mha
 
 if TYPE_CHECKING:
     from ..cache_layout import CacheLayout
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from ..parts import PlanPart, SparsePart
 
 __all__ = [
-    "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite", "PlanState",
-    "SparseCall", "StepShape",
+    "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite", "MaskedMHACall",
+    "PlanState", "SparseCall", "StepShape",
 ]  # fmt: skip
 
 
@@ -159,6 +159,26 @@ class SparseCall:
     indices: torch.Tensor
 
 
+@dataclass(frozen=True)
+class MaskedMHACall:
+    """One masked MHA call of DSA's sparse MHA path (:mod:`mla_backend.sparse_normal`): every
+    head of the query rows over decompressed keys and values, query row i seeing key j iff
+    ``mask[i, j]``.
+
+    Attributes:
+        q: [H, Lq, Dqk]; k: [H, Lk, Dqk]; v: [H, Lk, Dv]; one dtype (bf16/fp16/fp32), last dims
+            contiguous.
+        mask: [Lq, Lk] bool, contiguous, shared by the heads (True: the key is selected).
+        scale: softmax scale of ``q·k``.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor
+    scale: float
+
+
 class KernelImpl:
     """What every kernel implementation provides (see the module doc for the defaults).
 
@@ -271,3 +291,8 @@ class KernelImpl:
             a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part, call.sparse, call.indices,
             a.softmax_scale, a.kv_scale, a.out, a.lse,
         )  # fmt: skip
+
+    def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSA's sparse MHA: (o [H, Lq, Dv] in q's dtype, lse [H, Lq] float32; o = 0, lse = -inf
+        for a row whose mask is empty) (see :class:`MaskedMHACall`)."""
+        return sparse_mha.masked_attention_with_lse(call.q, call.k, call.v, call.mask, call.scale)

@@ -17,8 +17,9 @@ GEMMs), ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the normal path
 ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` / ``c_kv · W_UV``), the
 last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
 ``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the same GEMM
-engine) and ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
-attention's engines) have fake (meta) implementations, so ``torch.compile`` /
+engine), ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
+attention's engines) and ``native_masked_attention_with_lse`` (``csrc/sparse_mha.cpp``: DSA's
+sparse MHA, the normal path's MHA with a per-row mask) have fake (meta) implementations, so ``torch.compile`` /
 ``FakeTensorMode`` treat them as opaque.
 """
 
@@ -41,7 +42,7 @@ __all__ = ["HEAD_GEMM_COLS", "available", "op_namespace", "require", "unavailabl
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (
     "mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp", "indexer.cpp",
-    "sparse_attention.cpp",
+    "sparse_attention.cpp", "sparse_mha.cpp",
 )  # fmt: skip
 _HEADERS = (
     "isa.h",
@@ -155,6 +156,11 @@ def _register_fakes(ns: str) -> None:
 
     @torch.library.register_fake(f"{ns}::native_attention_with_lse")
     def _(q, k, v, causal, scale):
+        H, Lq, _ = q.shape
+        return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{ns}::native_masked_attention_with_lse")
+    def _(q, k, v, mask, scale):
         H, Lq, _ = q.shape
         return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
 

@@ -2,7 +2,7 @@
 and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
-:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
+:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA and DSA's sparse (masked) MHA for bf16 (all at every
 ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the base class's torch defaults);
 the normal path's cache reads from the base class (:mod:`mla_backend.ops.paged`); DSA's
 indexer (logits, top-k) and sparse attention from their C++ kernels, the index-key write from the
@@ -18,7 +18,15 @@ import torch
 
 from ...cost import DeviceProfile, stored_fit
 from ...decision import Decision
-from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
+from ..base import (
+    AbsorbedCall,
+    IndexerCall,
+    KernelImpl,
+    LatentWrite,
+    MaskedMHACall,
+    SparseCall,
+    StepShape,
+)
 from . import ops as native
 from .engine import select_engine
 from .isa import ISA_LEVELS, select_isa
@@ -179,6 +187,13 @@ class Kernels(KernelImpl):
         if bf16 and not self._torch_bf16_is_faster(q.shape[1] * q.shape[0]):
             return native.attention_with_lse(q, k, v, causal, scale, isa=self.level)
         return super().attention_with_lse(q, k, v, causal, scale)
+
+    def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
+        c = call
+        bf16 = c.q.dtype == c.k.dtype == c.v.dtype == torch.bfloat16 and c.q.device.type == "cpu"
+        if bf16:
+            return native.masked_attention_with_lse(c.q, c.k, c.v, c.mask, c.scale, isa=self.level)
+        return super().masked_attention_with_lse(c)
 
     def decompress(
         self, c_kv: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor

@@ -170,6 +170,22 @@ def attention_with_lse(
     return op_namespace(isa).native_attention_with_lse(q, k, v, bool(causal), float(scale))
 
 
+def masked_attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSA's sparse MHA (``csrc/sparse_mha.cpp``): :func:`attention_with_lse` where query row i
+    sees key j iff ``mask[i, j]`` (mask [Lq, Lk] bool, contiguous, shared by the heads; tiles of
+    32 rows x 64 keys that no row selected are skipped); bf16, any ISA level. A row whose mask
+    is empty gets o = 0, lse = -inf."""
+    return op_namespace(isa).native_masked_attention_with_lse(q, k, v, mask, float(scale))
+
+
 def decompress(
     c_kv: torch.Tensor,
     k_pe: torch.Tensor,
