@@ -1,9 +1,9 @@
 """The cost model's roofline: a device's :class:`DeviceProfile` and the per-request time of each
 path on it (:func:`absorbed_cost`, :func:`normal_cost`, and for DSA layers :func:`sparse_cost`:
 the lightning indexer plus the sparse absorbed attention, and :func:`sparse_mha_cost`: the
-indexer plus the sparse MHA, in the cheaper of its two variants, :func:`sparse_mha_variant`); the profiles as data
-(``mla_backend/profiles.json``: :func:`stored_profile`, :func:`store_profile`), among them the
-generic CPU and GPU profiles.
+indexer plus the sparse MHA, in the cheaper of its two variants, :func:`sparse_mha_variant`);
+the profiles as data (``mla_backend/profiles.json``: :func:`stored_profile`,
+:func:`store_profile`), among them the generic CPU and GPU profiles.
 
 Each kernel implementation carries its own profile (``Kernels.cost_profile(device)``, built from
 these types); the policy (:mod:`mla_backend.policy`) asks the plan's implementation for it.

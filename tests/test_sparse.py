@@ -38,14 +38,18 @@ def _first_test_level() -> str:
     return next((x for x in native.host_isas() if not want or x in want), "")
 
 
-@pytest.fixture(params=PATHS)
-def kernels(request: pytest.FixtureRequest, isa: str) -> object:
+def path_kernels(path: str, isa: str) -> object:
     """The torch implementation (run once, at the first level tested) or native at ``isa``."""
-    if request.param == "torch":
+    if path == "torch":
         if isa != _first_test_level():
             pytest.skip("the torch path runs once")
         return get_impl(torch.device("cpu"), "torch")
     return native.Kernels(isa=isa)
+
+
+@pytest.fixture(params=PATHS)
+def kernels(request: pytest.FixtureRequest, isa: str) -> object:
+    return path_kernels(request.param, isa)
 
 
 def _fp32_inputs(k: object) -> bool:

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from test_sparse import DIMS, _case, _indices, kernels  # noqa: F401  (kernels: a fixture)
+from test_sparse import PATHS, _case, _indices, path_kernels
 
 import mla_backend as mb
 from mla_backend.ops import MaskedMHACall
@@ -22,6 +22,11 @@ from mla_backend.testing.dsa_checks import check_sparse_mha
 from mla_backend.testing.native_checks import ATTENTION_DTYPES
 
 VARIANTS = ["masked", "gather"]
+
+
+@pytest.fixture(params=PATHS)
+def kernels(request: pytest.FixtureRequest, isa: str) -> object:
+    return path_kernels(request.param, isa)
 
 
 def _run(d, plan, idx, variant, scale, **kw):

@@ -19,8 +19,8 @@ last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
 ``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the same GEMM
 engine), ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
 attention's engines) and ``native_masked_attention_with_lse`` (``csrc/sparse_mha.cpp``: DSA's
-sparse MHA, the normal path's MHA with a per-row mask) have fake (meta) implementations, so ``torch.compile`` /
-``FakeTensorMode`` treat them as opaque.
+sparse MHA, the normal path's MHA with a per-row mask) have fake (meta) implementations, so
+``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
 """
 
 from __future__ import annotations

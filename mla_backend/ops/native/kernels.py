@@ -1,12 +1,12 @@
-"""The native implementation of :class:`mla_backend.ops.KernelImpl` for CPU tensors: cache write
-and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
-use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
-absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
-:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA and DSA's sparse (masked) MHA for bf16 (all at every
-ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the base class's torch defaults);
-the normal path's cache reads from the base class (:mod:`mla_backend.ops.paged`); DSA's
-indexer (logits, top-k) and sparse attention from their C++ kernels, the index-key write from the
-base class's torch default."""
+"""The native implementation of :class:`mla_backend.ops.KernelImpl` for CPU tensors: cache write and
+absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first use) for
+every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the absorption
+GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
+:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA and DSA's sparse (masked)
+MHA for bf16 (all at every ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the base
+class's torch defaults); the normal path's cache reads from the base class
+(:mod:`mla_backend.ops.paged`); DSA's indexer (logits, top-k) and sparse attention from their C++
+kernels, the index-key write from the base class's torch default."""
 
 from __future__ import annotations
 
