@@ -35,13 +35,29 @@ def _run(d, plan, idx, variant, scale, **kw):
                                    c.kv_scale, variant=variant, **kw)  # fmt: skip
 
 
+#: the CI grid: each page size with one latent layout (bf16; fp32 over per-tensor fp8; fp16 over
+#: fp8_ds_mla); every layout at every page size under -m slow
+FAST = [(1, *ATTENTION_DTYPES[0]), (16, *ATTENTION_DTYPES[4]), (64, *ATTENTION_DTYPES[6])]
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("page", [1, 16, 64])
-@pytest.mark.parametrize("qdt,cdt", ATTENTION_DTYPES, ids=str)
+@pytest.mark.parametrize("page,qdt,cdt", FAST, ids=str)
 def test_sparse_mha_equals_dense_masked(kernels, qdt, cdt, page, variant):
     """Ragged batch (fresh extend, decodes onto prefixes, an empty request), index lists of
     the oracle's top-k shuffled per row (k 6: short; k 64: longer than most contexts, -1
     padded); prefix chunks of 32 rows merged by LSE."""
+    _check_grid_case(kernels, qdt, cdt, page, variant)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("qdt,cdt", ATTENTION_DTYPES, ids=str)
+def test_sparse_mha_every_layout(kernels, qdt, cdt, page, variant):
+    _check_grid_case(kernels, qdt, cdt, page, variant)
+
+
+def _check_grid_case(kernels, qdt, cdt, page, variant):
     d, plan = _case(kernels, H=5, page=page, dtype=qdt, cache_dtype=cdt, seed=page + 3)
     scale = 1 / math.sqrt(16)
     for topk in (6, 64):
@@ -137,7 +153,9 @@ def test_masked_attention_op(kernels, dt, Lq, Lk):
     v = torch.randn(H, Lk, Dv, generator=g).to(dt)
     mask = torch.rand(Lq, Lk, generator=g) < 0.1
     mask[:, Lk // 2 :] &= torch.arange(Lq)[:, None] % 3 == 0
-    mask[Lq // 2] = False
+    mask[0, 0] = True
+    if Lq > 1:
+        mask[Lq // 2] = False  # a row that selects nothing
     o, lse = kernels.masked_attention_with_lse(MaskedMHACall(q, k, v, mask, 0.3))
     s = torch.einsum("hid,hjd->hij", q.double(), k.double()) * 0.3
     s = s.masked_fill(~mask, float("-inf"))
