@@ -10,9 +10,12 @@ shape, and the cost model's pick.
 
 Shapes are ``P+N`` (P cached, N new tokens; one request); the selection is the native
 indexer's over random keys (vLLM's fp8 index cache). The defaults are scaled down (topk 256,
-contexts up to 4K) so a run takes minutes on two cores; the ratios between the paths follow
-context / topk (pass ``--topk 2048`` and longer shapes for DeepSeek's own). Writes
-``sparse_mha-latest.md`` (and the history). :func:`measure` also serves
+contexts up to 4K) so a run takes minutes on two cores. The ratios do not simply follow
+context / topk: the sparse MHA pays the decompression of each row it reads, ``2 H r (nope +
+v)`` FLOPs, about 120x the absorbed attention's per head and key, so it can win only where
+``index_topk`` is large (DeepSeek's 2048: pass ``--topk 2048`` with prefills of a few
+thousand tokens, ``--options`` to leave out the gathered variant, hopeless for prefills).
+Writes ``sparse_mha-latest.md`` (and the history). :func:`measure` also serves
 ``python -m benchmarks policy --sparse``.
 """
 
@@ -41,10 +44,11 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def measure(H: int, index_heads: int, topk: int, P: int, N: int, kern: mb.ops.KernelImpl,
-            rounds: int, min_time: float) -> dict[str, float]:  # fmt: skip
-    """Best seconds per call of each of :data:`OPTIONS` for one request of P cached and N new
-    tokens at H heads (r 512, rope 64, nope 128, v 128, bf16, page 64, shuffled pages);
-    the sparse routes exclude the indexer (timed on its own)."""
+            rounds: int, min_time: float,
+            options: tuple[str, ...] = OPTIONS) -> dict[str, float]:  # fmt: skip
+    """Best seconds per call of each of ``options`` (:data:`OPTIONS`) for one request of P
+    cached and N new tokens at H heads (r 512, rope 64, nope 128, v 128, bf16, page 64,
+    shuffled pages); the sparse routes exclude the indexer (timed on its own)."""
     dims = mb.MLADims(H, 512, 128, 64, 128)
     w = random_weights(dims, DT)
     attn = mb.MLAAttention(dims, w)
@@ -82,21 +86,28 @@ def measure(H: int, index_heads: int, topk: int, P: int, N: int, kern: mb.ops.Ke
         "absorbed": lambda: attn(qn, qp, cache, pa),
         "normal": lambda: attn(qn, qp, cache, pn),
     }
-    return harness.interleaved(fns, rounds, min_time)
+    return harness.interleaved({k: f for k, f in fns.items() if k in options}, rounds, min_time)
 
 
 def fastest(t: dict[str, float], fits: bool) -> str:
     """The fastest route of a measured shape (the sparse ones pay the indexer; the dense ones
     are options only where the context fits topk)."""
-    costs = {r: t[r] + t["indexer"] for r in ("sparse_absorbed", "sparse_masked", "sparse_gather")}
-    if fits:
-        costs |= {"absorbed": t["absorbed"], "normal": t["normal"]}
-    return min(costs, key=costs.__getitem__)
+    routes = ("sparse_absorbed", "sparse_masked", "sparse_gather")
+    routes += ("absorbed", "normal") if fits else ()
+    return min((r for r in routes if r in t), key=lambda r: route_time(t, r))
 
 
 def route_time(t: dict[str, float], route: str) -> float:
-    """The measured seconds of a route (the indexer added to a sparse one)."""
-    return t[route] + (t["indexer"] if route.startswith("sparse") else 0.0)
+    """The measured seconds of a route (the indexer added to a sparse one; inf where the route
+    was not timed)."""
+    return t.get(route, float("inf")) + (t["indexer"] if route.startswith("sparse") else 0.0)
+
+
+def ratio(t: dict[str, float], picked: str, best: str) -> str:
+    """The picked route's time over the fastest's, or "not timed"."""
+    if picked not in t:
+        return "not timed"
+    return f"{route_time(t, picked) / route_time(t, best):.2f}x"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default=None, help="native ISA level (default: the selected one)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--min-time", type=float, default=0.05)
+    ap.add_argument("--options", default=",".join(OPTIONS),
+                    help=f"what to time (the indexer always): {','.join(OPTIONS)}")
     args = ap.parse_args(argv)
+    options = tuple(sorted({"indexer", *args.options.split(",")} & set(OPTIONS),
+                           key=OPTIONS.index))  # fmt: skip
     torch.manual_seed(0)
     isa = args.isa or harness.selected_isa()
     kern = harness.native_kernels(isa)
@@ -120,17 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         dims = mb.MLADims(H, 512, 128, 64, 128)
         ix = mb.IndexerDims(args.index_heads, DI, args.topk)
         for P, N in parse_shapes(args.shapes):
-            t = measure(H, args.index_heads, args.topk, P, N, kern, args.rounds, args.min_time)
+            t = measure(H, args.index_heads, args.topk, P, N, kern, args.rounds, args.min_time,
+                        options)  # fmt: skip
             fits = P + N <= args.topk
             best = fastest(t, fits)
             wins[best] = wins.get(best, 0) + 1
             b = mb.MLABatch.build([P], [N], torch.zeros(1, 1, dtype=torch.int32), P + N,
                                   mb.Phase.DECODE if N == 1 else mb.Phase.EXTEND)  # fmt: skip
             picked = mb.plan(b, dims, policy, impl=kern, indexer=ix).choice.routes[0]
-            ms = {k: f"{v * 1e3:.2f}" for k, v in t.items()}
+            ms = {k: f"{t[k] * 1e3:.2f}" if k in t else "-" for k in OPTIONS}
             rows.append([str(H), f"{P}+{N}", ms["indexer"], ms["sparse_absorbed"],
                          ms["sparse_masked"], ms["sparse_gather"], ms["absorbed"], ms["normal"],
-                         best, picked, f"{route_time(t, picked) / route_time(t, best):.2f}x"])
+                         best, picked, ratio(t, picked, best)])
             print(" ".join(rows[-1]), flush=True)
     header = ["H", "P+N", "indexer ms", "sparse absorbed ms", "sparse MHA masked ms",
               "sparse MHA gather ms", "dense absorbed ms", "dense normal ms",
