@@ -1,6 +1,6 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
-layer, policy, sparse, vllm, vllm-dcp, vllm-dsa, vllm-steps, serve, sglang, gpu, gpu-resources,
-gpu-sweep, gpu-run, gpu-sparse, fp8-accuracy); each writes
+layer, policy, sparse, sparse-mha, vllm, vllm-dcp, vllm-dsa, vllm-steps, serve, sglang, gpu,
+gpu-resources, gpu-sweep, gpu-run, gpu-sparse, fp8-accuracy); each writes
 ``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
 the roofline PNGs from ``decode-latest.md``."""
 
@@ -17,6 +17,7 @@ COMMANDS = {
     "layer": ("layer", "one MLA layer incl. both absorptions vs CPU_MLA / AMX_MLA op sequences"),
     "policy": ("policy", "does the cost policy pick the faster path (absorbed / normal)"),
     "sparse": ("sparse", "DSA decode: indexer top-k + sparse attention vs dense absorbed"),
+    "sparse-mha": ("sparse_mha", "DSA per shape: sparse absorbed vs sparse MHA (masked / gather)"),
     "vllm": ("vllm_e2e", "vLLM end to end: MLA_ABSORB vs CPU_MLA (and AMX_MLA where it runs)"),
     "vllm-dcp": ("vllm_dcp", "vLLM decode context parallel: KV per rank, decode, TP vs TP x DCP"),
     "vllm-dsa": ("vllm_dsa", "vLLM end to end, DSA (tiny V3.2, 8K prompts): sparse vs dense"),

@@ -3,6 +3,7 @@ new tokens onto P cached ones, time the absorbed path and the normal path side b
 paths, including the absorption bmms / the decompression) and report which one the cost model picks.
 
     python -m benchmarks policy [--heads 128,16] [--rounds 3] [--quick] [--fit]
+    python -m benchmarks policy --sparse [--heads 8] [--topk 256] [--shapes 0+512,...] [--fit]
 
 The two paths are timed interleaved (``harness.interleaved``: best of ``--rounds`` rounds, each
 round times both), so a load change between them shows in both. ``--fit`` also searches a grid
@@ -12,6 +13,12 @@ package's data file (``mla_backend/profiles.json``) under the name the running i
 reads (``native:<level>[:<engine>]``: ``mla_backend.ops.native.profile.profile_key`` of the
 resolved selection; ``cpu`` for the torch implementation) with the fit's CPU, date and score
 (:func:`store_if_better`).
+
+``--sparse`` does the same for a DSA layer's options (prefills, extends onto prefixes, decode:
+``benchmarks.sparse_mha.measure``): the policy's route per shape against the fastest of the
+sparse absorbed attention, the sparse MHA's two variants and, where the context fits topk, the
+dense paths; ``--fit`` then fits the profile's indexer / sparse efficiencies
+(:data:`SPARSE_FIT_GRID`, :func:`fit_sparse_profile`) and stores them where they pick better.
 """
 
 from __future__ import annotations
@@ -27,7 +34,14 @@ from pathlib import Path
 import torch
 
 import mla_backend as mb
-from mla_backend.cost import PROFILES_PATH, DeviceProfile, absorbed_cost, normal_cost, store_profile
+from mla_backend.cost import (
+    PROFILES_PATH,
+    DeviceProfile,
+    absorbed_cost,
+    normal_cost,
+    store_profile,
+    stored_fit,
+)
 from mla_backend.ops.native.profile import profile_key
 from mla_backend.selection import resolve
 
@@ -44,6 +58,57 @@ FIT_GRID = {
     "attn_efficiency": (0.3, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5),
     "normal_overhead": (0.1e-3, 0.3e-3, 0.6e-3, 1e-3, 2e-3, 5e-3),
 }
+
+
+#: the grid :func:`fit_sparse_profile` searches (the DSA fields of the profile)
+SPARSE_FIT_GRID = {
+    "index_efficiency": (0.1, 0.2, 0.4, 0.7, 1.0, 1.5),
+    "sparse_efficiency": (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0),
+    "sparse_mha_efficiency": (0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMeasured:
+    """One DSA shape's side-by-side times (seconds, ``benchmarks.sparse_mha.OPTIONS``)."""
+
+    heads: int
+    index_heads: int
+    topk: int
+    prefix: int
+    new: int
+    times: Mapping[str, float]
+
+
+def sparse_route(profile: DeviceProfile, m: SparseMeasured) -> str:
+    """The cost policy's route for a measured DSA shape on ``profile``."""
+    dims = mb.MLADims(m.heads, 512, 128, 64, 128)
+    ix = mb.IndexerDims(m.index_heads, 128, m.topk)
+    pol = mb.Policy("cost", profile=profile)
+    phase = mb.Phase.DECODE if m.new == 1 else mb.Phase.EXTEND
+    absorbed = pol.request_uses_absorbed(dims, m.prefix, m.new, phase)
+    return pol.dsa_route(dims, ix, m.prefix, m.new, phase, absorbed)
+
+
+def sparse_score(profile: DeviceProfile, shapes: Sequence[SparseMeasured]) -> tuple[int, float]:
+    """(right picks, summed regret) of ``profile``'s routes on the measured DSA shapes."""
+    from .sparse_mha import fastest, route_time
+
+    right, regret = 0, 0.0
+    for m in shapes:
+        best = route_time(m.times, fastest(m.times, m.prefix + m.new <= m.topk))
+        picked = route_time(m.times, sparse_route(profile, m))
+        right += is_right(picked, best)
+        regret += picked / best - 1
+    return right, regret
+
+
+def fit_sparse_profile(base: DeviceProfile, shapes: Sequence[SparseMeasured]) -> DeviceProfile:
+    """The profile of :data:`SPARSE_FIT_GRID` (``base``'s other fields) that routes the most
+    DSA shapes right, least summed regret among those."""
+    grid = [dataclasses.replace(base, **dict(zip(SPARSE_FIT_GRID, values)))
+            for values in itertools.product(*SPARSE_FIT_GRID.values())]  # fmt: skip
+    return max(grid, key=lambda p: (lambda r: (r[0], -r[1]))(sparse_score(p, shapes)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fit", action="store_true",
                     help="also fit the level's profile to this run (fit_profile)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="DSA shapes: sparse absorbed vs sparse MHA (vs dense within topk)")
+    ap.add_argument("--topk", type=int, default=256, help="index_topk of --sparse")
+    ap.add_argument("--index-heads", type=int, default=8, help="indexer heads of --sparse")
+    ap.add_argument("--shapes", default="0+512,0+2048,1024+256,2048+64,4096+8,4096+1",
+                    help="P+N shapes of --sparse")
     args = ap.parse_args(argv)
+    if args.sparse:
+        return _sparse_main(args)
     prefixes = [0, 1024] if args.quick else [int(x) for x in args.prefix.split(",")]
     news = [16, 256] if args.quick else [int(x) for x in args.new.split(",")]
     policy = mb.Policy("cost")
@@ -187,3 +260,56 @@ def _fit_note(measured: Sequence[Measured], shapes: str) -> str:
     lines.append(store_if_better(name, current, best, measured, fit))
     print("\n".join(lines), flush=True)
     return "; ".join(lines)
+
+
+def _sparse_main(args: argparse.Namespace) -> int:
+    """``--sparse``: time the DSA shapes, compare the policy's routes, optionally fit."""
+    from .sparse_mha import fastest, parse_shapes, route_time
+    from .sparse_mha import measure as measure_sparse
+
+    kern = resolve(torch.device("cpu")).kernels
+    prof = kern.cost_profile(torch.device("cpu"))
+    heads = "8" if args.heads == "128,16" else args.heads
+    measured, rows = [], []
+    for h in (int(x) for x in heads.split(",")):
+        for P, N in parse_shapes(args.shapes):
+            t = measure_sparse(h, args.index_heads, args.topk, P, N, kern, args.rounds, 0.05)
+            m = SparseMeasured(h, args.index_heads, args.topk, P, N, t)
+            measured.append(m)
+            best, picked = fastest(t, P + N <= args.topk), sparse_route(prof, m)
+            ok = is_right(route_time(t, picked), route_time(t, best))
+            rows.append([str(h), f"{P}+{N}"] + [f"{route_time(t, r) * 1e3:.1f}" for r in
+                        ("sparse_absorbed", "sparse_masked", "sparse_gather")]  # fmt: skip
+                        + [best, picked, "yes" if ok else "NO"])
+            print(" ".join(rows[-1]), flush=True)
+    right, regret = sparse_score(prof, measured)
+    notes = [f"DSA shapes, bf16, page 64, r=512 rope=64 nope=v=128, indexer {args.index_heads} "
+             f"heads x 128 (fp8 cache), index_topk {args.topk}; sparse times include the "
+             f"indexer; {args.rounds} interleaved rounds; {harness.describe_host()}",
+             f"policy routes {right}/{len(measured)} shapes right (a pick within 10% of the "
+             f"fastest counts), summed regret {regret:.2f}"]  # fmt: skip
+    if args.fit:
+        best = fit_sparse_profile(prof, measured)
+        r1, g1 = sparse_score(best, measured)
+        line = (f"best fit: index_efficiency {best.index_efficiency}, sparse_efficiency "
+                f"{best.sparse_efficiency}, sparse_mha_efficiency {best.sparse_mha_efficiency}: "
+                f"{r1}/{len(measured)} right, summed regret {g1:.2f}")  # fmt: skip
+        sel = resolve(torch.device("cpu"))
+        native = sel.isa is not None and sel.attention_engine is not None
+        name = profile_key(sel.isa.value, sel.attention_engine.value) if native else "cpu"
+        if (r1, -g1) > (right, -regret):
+            stamp = harness.utc_stamp()
+            fit = {**stored_fit(name), "dsa_fit": f"{harness.describe_host()}, {stamp}: "
+                   f"{r1}/{len(measured)} DSA shapes right (was {right}), H {heads}, topk "
+                   f"{args.topk}, shapes {args.shapes}"}  # fmt: skip
+            store_profile(name, best, fit)
+            line += f"; stored as {name!r}"
+        else:
+            line += f"; profile {name!r} kept"
+        print(line, flush=True)
+        notes.append(line)
+    header = ["H", "P+N", "sparse absorbed ms", "sparse MHA masked ms", "sparse MHA gather ms",
+              "fastest", "policy picks", "ok"]  # fmt: skip
+    write_result("policy_dsa", "Cost policy vs measurement: a DSA layer's routes", notes,
+                 harness.table(header, rows))
+    return 0

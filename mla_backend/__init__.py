@@ -1,10 +1,11 @@
 """mla-backend: DeepSeek multi-head latent attention (MLA) as the DeepSeek-V2 paper intends.
 
-Cache only the latent ``[c_kv ; k_pe]``; absorb ``W_UK`` into the query and apply ``W_UV``
-after attention for decode and short extends; decompress to plain MHA for long fresh
-prefills; choose per request with a cost-model policy; DeepSeek Sparse Attention (the lightning
-indexer's top-k and the sparse absorbed attention, :mod:`mla_backend.sparse`). Engine-agnostic:
-imports torch (and triton where installed), never vLLM or SGLang.
+Cache only the latent ``[c_kv ; k_pe]``; absorb ``W_UK`` into the query and apply ``W_UV`` after
+attention for decode and short extends; decompress to plain MHA for long fresh prefills; choose
+per request with a cost-model policy; DeepSeek Sparse Attention (the lightning indexer's top-k
+and the sparse absorbed attention, :mod:`mla_backend.sparse`; the sparse MHA,
+:mod:`mla_backend.sparse_normal`; a DSA layer's routed call, :mod:`mla_backend.sparse_layer`).
+Engine-agnostic: imports torch (and triton where installed), never vLLM or SGLang.
 """
 
 from .attention import MLAAttention, absorbed_attention, normal_attention, write_latent
@@ -18,6 +19,8 @@ from .plan import MLAPlan, plan
 from .policy import PathChoice, Policy
 from .selection import Selection, resolve
 from .sparse import indexer_logits, indexer_topk, sparse_absorbed_attention, write_index_keys
+from .sparse_layer import sparse_mla_attention
+from .sparse_normal import sparse_normal_attention
 from .weights import (
     AbsorbWeights,
     absorb_q,
@@ -57,6 +60,8 @@ __all__ = [
     "plan",
     "quantize_fp8",
     "sparse_absorbed_attention",
+    "sparse_mla_attention",
+    "sparse_normal_attention",
     "resolve",
     "split_kv_b_proj",
     "WorkPartition",

@@ -1,8 +1,9 @@
 """The cost model's roofline: a device's :class:`DeviceProfile` and the per-request time of each
 path on it (:func:`absorbed_cost`, :func:`normal_cost`, and for DSA layers :func:`sparse_cost`:
-the lightning indexer plus the sparse attention); the profiles as data
-(``mla_backend/profiles.json``: :func:`stored_profile`, :func:`store_profile`), among them the
-generic CPU and GPU profiles.
+the lightning indexer plus the sparse absorbed attention, and :func:`sparse_mha_cost`: the
+indexer plus the sparse MHA, in the cheaper of its two variants, :func:`sparse_mha_variant`);
+the profiles as data (``mla_backend/profiles.json``: :func:`stored_profile`,
+:func:`store_profile`), among them the generic CPU and GPU profiles.
 
 Each kernel implementation carries its own profile (``Kernels.cost_profile(device)``, built from
 these types); the policy (:mod:`mla_backend.policy`) asks the plan's implementation for it.
@@ -34,6 +35,12 @@ class DeviceProfile:
         cache_bytes: decompressed K/V up to this size stays in cache (no memory traffic).
         normal_overhead: fixed seconds per request of the normal path (its per-request
             decompression and attention calls), in the model's time units.
+        index_efficiency: fraction of peak the DSA lightning indexer reaches (None: as the
+            absorbed attention).
+        sparse_efficiency: fraction of peak DSA's sparse absorbed attention reaches (None: as
+            the absorbed attention).
+        sparse_mha_efficiency: fraction of peak DSA's sparse MHA reaches (None: as the normal
+            path's MHA).
     """
 
     peak_flops: float
@@ -42,6 +49,9 @@ class DeviceProfile:
     attn_efficiency: float = 1.0
     cache_bytes: float = 0.0
     normal_overhead: float = 0.0
+    index_efficiency: float | None = None
+    sparse_efficiency: float | None = None
+    sparse_mha_efficiency: float | None = None
 
 
 #: the profiles' data file: ``{"profiles": {name: {<DeviceProfile fields>, "fit": {...}}}}``,
@@ -57,12 +67,13 @@ def _stored(path: Path) -> dict[str, Any]:
 
 
 def stored_profile(name: str, path: Path = PROFILES_PATH) -> DeviceProfile:
-    """The profile ``name`` of the data file (``cpu``, ``gpu``, ``native:<level>``, ...); a
-    KeyError names the stored ones."""
+    """The profile ``name`` of the data file (``cpu``, ``gpu``, ``native:<level>``, ...; a field
+    it does not store takes :class:`DeviceProfile`'s default); a KeyError names the stored
+    ones."""
     profiles = _stored(path)
     if name not in profiles:
         raise KeyError(f"no cost profile {name!r} in {path}; stored: {sorted(profiles)}")
-    return DeviceProfile(**{k: profiles[name][k] for k in _FIELDS})
+    return DeviceProfile(**{k: profiles[name][k] for k in _FIELDS if k in profiles[name]})
 
 
 def stored_fit(name: str, path: Path = PROFILES_PATH) -> dict[str, str]:
@@ -130,6 +141,20 @@ def normal_cost(
     return decompress + attn + profile.normal_overhead
 
 
+def _index_phase(
+    indexer: IndexerDims, prefix: int, new: int, profile: DeviceProfile
+) -> float:
+    """The lightning indexer of one request: ``2 Hi Di`` FLOPs per visible cached token and
+    query token, reading every key once (Di + 4 bytes each, vLLM's fp8 index cache)."""
+    eff = profile.index_efficiency
+    return _phase(
+        2 * new * (prefix + (new + 1) / 2) * indexer.n_heads * indexer.head_dim,
+        (prefix + new) * (indexer.head_dim + 4),
+        profile,
+        profile.absorbed_efficiency if eff is None else eff,
+    )
+
+
 def sparse_cost(
     dims: MLADims,
     indexer: IndexerDims,
@@ -138,26 +163,73 @@ def sparse_cost(
     profile: DeviceProfile,
     elt: int = 2,
 ) -> float:
-    """Roofline seconds of a DSA layer's sparse path for one request: the two absorption bmms,
-    the lightning indexer (``2 Hi Di`` FLOPs per visible cached token and query token, reading
-    every key once: Di + 4 bytes each, vLLM's fp8 index cache) and the sparse attention (each
-    query token over ``min(topk, visible)`` latent rows, gathered per token)."""
+    """Roofline seconds of a DSA layer's sparse absorbed path for one request: the two
+    absorption bmms, the lightning indexer and the sparse attention (each query token over
+    ``min(topk, visible)`` latent rows, gathered per token)."""
     H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
     w = H * r * (dims.qk_nope_head_dim + dims.v_head_dim)
     kv = prefix + new
     kv_avg = prefix + (new + 1) / 2
     sel = min(float(indexer.topk), kv_avg)
+    eff = profile.sparse_efficiency
     bmm = _phase(2 * new * w, w * elt, profile)
-    index = _phase(
-        2 * new * kv_avg * indexer.n_heads * indexer.head_dim,
-        kv * (indexer.head_dim + 4),
-        profile,
-        profile.absorbed_efficiency,
-    )
     attn = _phase(
         2 * new * sel * H * (2 * r + rope),
         min(new * sel, kv) * (r + rope) * elt,
         profile,
-        profile.absorbed_efficiency,
+        profile.absorbed_efficiency if eff is None else eff,
     )
-    return bmm + index + attn
+    return bmm + _index_phase(indexer, prefix, new, profile) + attn
+
+
+def sparse_mha_cost(
+    dims: MLADims,
+    indexer: IndexerDims,
+    prefix: int,
+    new: int,
+    profile: DeviceProfile,
+    variant: str | None = None,
+    elt: int = 2,
+) -> float:
+    """Roofline seconds of a DSA layer's sparse MHA path for one request
+    (:mod:`mla_backend.sparse_normal`): the indexer, then ``variant``'s decompression and
+    attention (None: the cheaper variant, :func:`sparse_mha_variant`):
+
+    - ``masked``: the normal path's decompression of all ``P + N`` rows, then a masked MHA
+      whose tiles visit the causal keys (the tiles a selection skips are not modelled);
+    - ``gather``: ``min(topk, visible)`` rows decompressed per query token and attended by that
+      token alone (their K/V written and read once: memory traffic beyond the cache).
+    """
+    if variant is None:
+        variant = sparse_mha_variant(dims, indexer, prefix, new, profile)
+    H, r, rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+    nope, v = dims.qk_nope_head_dim, dims.v_head_dim
+    w = H * r * (nope + v)
+    eff = profile.sparse_mha_efficiency
+    eff = profile.attn_efficiency if eff is None else eff
+    kv_avg = prefix + (new + 1) / 2
+    if variant == "masked":
+        rows, keys = prefix + new, kv_avg
+        kv_bytes = rows * H * (nope + rope + v) * elt
+        traffic = kv_bytes if kv_bytes > profile.cache_bytes else 0.0
+    elif variant == "gather":
+        keys = min(float(indexer.topk), kv_avg)
+        rows = new * keys
+        traffic = rows * H * (nope + rope + v) * elt * 2
+    else:
+        raise ValueError(f"variant={variant!r} is not supported; use masked, gather or None")
+    decompress = _phase(2 * rows * w, w * elt + rows * (r + rope) * elt + traffic, profile)
+    attn = _phase(2 * new * keys * H * (nope + rope + v), traffic, profile, eff)
+    return _index_phase(indexer, prefix, new, profile) + decompress + attn + (
+        profile.normal_overhead
+    )
+
+
+def sparse_mha_variant(
+    dims: MLADims, indexer: IndexerDims, prefix: int, new: int, profile: DeviceProfile
+) -> str:
+    """The cheaper way to compute a request's sparse MHA on ``profile``: ``"masked"`` or
+    ``"gather"`` (:func:`sparse_mha_cost`)."""
+    m = sparse_mha_cost(dims, indexer, prefix, new, profile, "masked")
+    g = sparse_mha_cost(dims, indexer, prefix, new, profile, "gather")
+    return "masked" if m <= g else "gather"

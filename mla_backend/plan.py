@@ -49,6 +49,10 @@ class MLAPlan:
         sparse: a DSA step's per-token data (:class:`~mla_backend.parts.SparsePart`: made when
             :func:`plan` is given ``indexer``), read by the indexer and the sparse attention
             (:mod:`mla_backend.sparse`); None otherwise.
+        dsa_routes: a DSA step's requests grouped by the policy's route
+            (``choice.routes``: :data:`~mla_backend.policy.DSA_ROUTES`), each route's
+            ``(PlanPart, SparsePart)`` (the step's own where one route serves every request),
+            executed by :func:`mla_backend.sparse_layer.sparse_mla_attention`; None otherwise.
     """
 
     dims: MLADims
@@ -62,6 +66,7 @@ class MLAPlan:
     normal: PlanPart | None
     max_page_id: int
     sparse: SparsePart | None = None
+    dsa_routes: dict[str, tuple[PlanPart, SparsePart]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -96,8 +101,14 @@ class MLAPlan:
             )
         indexer = self.sparse.indexer if self.sparse is not None else None
         fresh = _build(batch, self.dims, self.choice, self.impl, self.device, indexer)
-        pairs = ((self.step, fresh.step), (self.absorbed, fresh.absorbed),
-                 (self.normal, fresh.normal))
+        pairs = [(self.step, fresh.step), (self.absorbed, fresh.absorbed),
+                 (self.normal, fresh.normal)]  # fmt: skip
+        for name, (part, sp) in (self.dsa_routes or {}).items():
+            new_part, new_sp = fresh.dsa_routes[name]  # type: ignore[index]
+            pairs.append((part, new_part))
+            if sp is not self.sparse:
+                sp.token_pos_t.copy_(new_sp.token_pos_t)
+                object.__setattr__(sp, "max_kv_len", new_sp.max_kv_len)
         for old, new in pairs:
             if old is None or new is None or old is new:
                 continue
@@ -273,11 +284,41 @@ def plan(
     return _build(batch, dims, choice, kernels, dev, indexer)
 
 
-def _sparse_part(batch: MLABatch, indexer: IndexerDims, dev: torch.device) -> SparsePart:
-    req = [i for i, n in enumerate(batch.new_lens) for _ in range(n)]
-    pos = [p + j for p, n in zip(batch.prefix_lens, batch.new_lens, strict=True) for j in range(n)]
+def _sparse_part(
+    batch: MLABatch, indexer: IndexerDims, dev: torch.device, reqs: Sequence[int] | None = None
+) -> SparsePart:
+    """The per-token DSA data of requests ``reqs`` (default: all), indexed within them."""
+    reqs = range(batch.num_reqs) if reqs is None else reqs
+    new = [batch.new_lens[i] for i in reqs]
+    prefix = [batch.prefix_lens[i] for i in reqs]
+    req = [k for k, n in enumerate(new) for _ in range(n)]
+    pos = [p + j for p, n in zip(prefix, new, strict=True) for j in range(n)]
     req_t, pos_t = _int32_views((req, pos), dev)
-    return SparsePart(indexer, req_t, pos_t, batch.max_kv_len)
+    return SparsePart(indexer, req_t, pos_t, max((p + n for p, n in zip(prefix, new, strict=True)),
+                                                 default=0))  # fmt: skip
+
+
+def _dsa_routes(
+    batch: MLABatch,
+    dims: MLADims,
+    choice: PathChoice,
+    kernels: KernelImpl,
+    dev: torch.device,
+    indexer: IndexerDims,
+    step: PlanPart,
+    sparse: SparsePart,
+) -> dict[str, tuple[PlanPart, SparsePart]]:
+    """The step's requests grouped by route: the step itself where one route serves all."""
+    assert choice.routes is not None
+    names = dict.fromkeys(choice.routes)
+    if len(names) == 1:
+        return {choice.routes[0]: (step, sparse)} if choice.routes else {}
+    out = {}
+    for name in names:
+        reqs = [i for i, r in enumerate(choice.routes) if r == name]
+        out[name] = (_part(batch, reqs, False, dims, kernels, dev),
+                     _sparse_part(batch, indexer, dev, reqs))  # fmt: skip
+    return out
 
 
 def _build(
@@ -301,6 +342,10 @@ def _build(
         n = [i for i in all_reqs if not choice.use_absorbed[i]]
         absorbed = _part(batch, a, False, dims, kernels, dev)
         normal = _part(batch, n, False, dims, kernels, dev)
+    sparse = _sparse_part(batch, indexer, dev) if indexer is not None else None
+    routes = None
+    if sparse is not None and indexer is not None and choice.routes is not None:
+        routes = _dsa_routes(batch, dims, choice, kernels, dev, indexer, step, sparse)
     return MLAPlan(
         dims=dims,
         page_size=batch.page_size,
@@ -312,5 +357,6 @@ def _build(
         absorbed=absorbed,
         normal=normal,
         max_page_id=step.max_page_id,
-        sparse=_sparse_part(batch, indexer, dev) if indexer is not None else None,
+        sparse=sparse,
+        dsa_routes=routes,
     )

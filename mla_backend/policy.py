@@ -16,13 +16,19 @@ Modes (one setting: ``Policy(mode=...)`` or the ``MLA_BACKEND_POLICY`` environme
 Decode tokens are always absorbed (there is nothing to gain from decompressing for one
 token), and speculative phases are absorbed in every mode but ``normal``.
 
-DSA layers (DeepSeek-V3.2, GLM-5: ``choose(..., indexer=IndexerDims(...))``): a request whose
-context exceeds ``indexer.topk`` takes the sparse path (lightning indexer + sparse absorbed
-attention) in every mode: there the selection changes the answer. Where the whole context is
-``<= topk`` the selection is every visible token, so the dense paths give the same attention:
-``cost`` prices absorbed, normal and sparse (:func:`~mla_backend.cost.sparse_cost`) and takes the
-cheapest (the sparse path adds the indexer to the same attention, so a dense path wins; SGLang's
-DSA backend likewise runs MHA for such prefills); the other modes apply their dense rule.
+DSA layers (DeepSeek-V3.2, GLM-5: ``choose(..., indexer=IndexerDims(...))``): each request
+gets one of :data:`DSA_ROUTES` (``PathChoice.routes``). A request whose context exceeds
+``indexer.topk`` takes a sparse route (lightning indexer, then attention over each token's
+selection) in every mode: there the selection changes the answer. ``cost`` prices both sparse
+routes, DeepSeek's two modes: the sparse absorbed attention (:func:`~mla_backend.cost.
+sparse_cost`, MQA over the latent rows) and the sparse MHA (:func:`~mla_backend.cost.
+sparse_mha_cost`, decompressed per-head K/V, in the cheaper of its masked / gathered variants),
+and takes the cheaper; decode tokens and speculative steps stay absorbed. Where the whole
+context is ``<= topk`` the selection is every visible token, so the dense paths give the same
+attention: ``cost`` prices the dense path it picked against both sparse routes (the sparse
+routes add the indexer to the same attention, so a dense path wins; SGLang's DSA backend
+likewise runs MHA for such prefills). The fixed modes apply their dense rule within topk and
+past it take the sparse absorbed route (``sglang``, ``absorb``) or the sparse MHA (``normal``).
 ``PathChoice.use_sparse`` says which requests go sparse (None for non-DSA layers).
 """
 
@@ -40,6 +46,8 @@ from .cost import (
     absorbed_cost,
     normal_cost,
     sparse_cost,
+    sparse_mha_cost,
+    sparse_mha_variant,
 )
 from .dims import MLADims
 from .index_cache import IndexerDims
@@ -48,20 +56,26 @@ logger = logging.getLogger("mla_backend.policy")
 
 __all__ = [
     "CPU_PROFILE", "GPU_PROFILE", "MODES", "DeviceProfile", "PathChoice", "Policy",
-    "absorbed_cost", "normal_cost", "sparse_cost",
+    "DSA_ROUTES", "absorbed_cost", "normal_cost", "sparse_cost", "sparse_mha_cost",
 ]
 ENV_VAR = "MLA_BACKEND_POLICY"
 THRESHOLD_ENV_VAR = "MLA_BACKEND_CHUNKED_PREFIX_THRESHOLD"
+#: a DSA layer's per-request paths: the dense ones (the selection is everything), the sparse
+#: absorbed attention, and the sparse MHA in its masked or gathered variant
+#: (:mod:`mla_backend.sparse_normal`)
+DSA_ROUTES = ("absorbed", "normal", "sparse_absorbed", "sparse_masked", "sparse_gather")
 
 
 @dataclass(frozen=True)
 class PathChoice:
     """Per-request decision of one batch: ``use_absorbed[i]`` (else normal); for a DSA layer
-    ``use_sparse[i]``: request i takes the sparse path (indexer + sparse absorbed attention;
-    its ``use_absorbed`` is True), None for non-DSA layers."""
+    ``use_sparse[i]``: request i takes a sparse path (the indexer, then its attention over the
+    selection; ``use_absorbed`` is True for the sparse absorbed one) and ``routes[i]``: its path,
+    one of :data:`DSA_ROUTES`; both None for non-DSA layers."""
 
     use_absorbed: list[bool]
     use_sparse: list[bool] | None = None
+    routes: list[str] | None = None
 
     @property
     def sparse_mode(self) -> str | None:
@@ -221,17 +235,47 @@ class Policy:
         profile: DeviceProfile | None = None,
     ) -> bool:
         """A DSA layer's request: sparse where its context exceeds ``indexer.topk`` (every
-        mode); else, in ``cost`` mode, where the sparse path prices below the dense path the
-        policy picked (``dense_absorbed``); never in the fixed modes."""
+        mode); else, in ``cost`` mode, where a sparse path (absorbed or MHA) prices below the
+        dense path the policy picked (``dense_absorbed``; a decode token stays on it); never in
+        the fixed modes."""
         if new == 0:
             return False
         if prefix + new > indexer.topk:
             return True
-        if self._mode.per_batch or self._mode.always_absorbed is not None:
+        if self._mode.per_batch or self._mode.always_absorbed is not None or new <= 1:
             return False
         prof = self._profile(profile)
         dense = (absorbed_cost if dense_absorbed else normal_cost)(dims, prefix, new, prof)
-        return sparse_cost(dims, indexer, prefix, new, prof) < dense
+        sparse = min(sparse_cost(dims, indexer, prefix, new, prof),
+                     sparse_mha_cost(dims, indexer, prefix, new, prof))  # fmt: skip
+        return sparse < dense
+
+    def dsa_route(
+        self,
+        dims: MLADims,
+        indexer: IndexerDims,
+        prefix: int,
+        new: int,
+        phase: Phase,
+        dense_absorbed: bool,
+        profile: DeviceProfile | None = None,
+    ) -> str:
+        """A DSA layer's request: its route (:data:`DSA_ROUTES`; module docstring).
+        ``dense_absorbed``: the dense path the policy picked for it."""
+        dense = "absorbed" if dense_absorbed else "normal"
+        fits = prefix + new <= indexer.topk
+        if new == 0 or (fits and not self.request_uses_sparse(dims, indexer, prefix, new,
+                                                               dense_absorbed, profile)):
+            return dense
+        prof = self._profile(profile)
+        if self._mode.always_absorbed is False:
+            return "sparse_" + sparse_mha_variant(dims, indexer, prefix, new, prof)
+        if self._mode.per_batch or self._mode.always_absorbed or new <= 1 or phase.speculative:
+            return "sparse_absorbed"
+        variant = sparse_mha_variant(dims, indexer, prefix, new, prof)
+        mha = sparse_mha_cost(dims, indexer, prefix, new, prof, variant)
+        absorbed = sparse_cost(dims, indexer, prefix, new, prof)
+        return "sparse_absorbed" if absorbed <= mha else "sparse_" + variant
 
     def choose(
         self,
@@ -256,11 +300,14 @@ class Policy:
             )
         if indexer is not None:
             lens = zip(batch.prefix_lens, batch.new_lens, choice.use_absorbed, strict=True)
-            sparse = [
-                self.request_uses_sparse(dims, indexer, p, n, a, profile) for p, n, a in lens
+            routes = [
+                self.dsa_route(dims, indexer, p, n, batch.phase, a, profile) for p, n, a in lens
             ]
-            absorbed = [a or s for a, s in zip(choice.use_absorbed, sparse, strict=True)]
-            choice = PathChoice(absorbed, sparse)
+            choice = PathChoice(
+                [r in ("absorbed", "sparse_absorbed") for r in routes],
+                [r.startswith("sparse") for r in routes],
+                routes,
+            )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "mla policy %s: phase=%s prefix=%s new=%s -> %s (dsa: %s)",

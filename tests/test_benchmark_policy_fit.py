@@ -106,3 +106,26 @@ def test_every_stored_profile_reads_and_names_its_fit() -> None:
         assert {"date", "score"} <= set(stored_fit(name)), name
     with pytest.raises(KeyError, match="no cost profile 'native:nope'.*stored"):
         stored_profile("native:nope")
+
+
+def test_sparse_fit_recovers_the_routes_of_a_known_profile():
+    """DSA shapes timed by a known profile's prices (each route's own, the indexer apart):
+    the grid search finds a profile that routes every shape as that one does."""
+    from benchmarks.policy import SPARSE_FIT_GRID, SparseMeasured, fit_sparse_profile, sparse_score
+    from mla_backend.cost import _index_phase, sparse_cost, sparse_mha_cost
+
+    true = dataclasses.replace(BASE, index_efficiency=0.4, sparse_efficiency=0.2,
+                               sparse_mha_efficiency=1.0)  # fmt: skip
+    assert all(getattr(true, k) in v for k, v in SPARSE_FIT_GRID.items())
+    ix, shapes = mb.IndexerDims(8, 128, 256), []
+    for h, p, n in [(8, 0, 512), (8, 0, 2048), (8, 1024, 256), (8, 4096, 8), (128, 4096, 4),
+                    (128, 0, 4096), (8, 0, 200)]:  # fmt: skip
+        dims = mb.MLADims(h, 512, 128, 64, 128)
+        index = _index_phase(ix, p, n, true)  # the indexer's share of every sparse route
+        t = {"indexer": index, "sparse_absorbed": sparse_cost(dims, ix, p, n, true) - index,
+             "absorbed": absorbed_cost(dims, p, n, true), "normal": normal_cost(dims, p, n, true)}
+        for v in ("masked", "gather"):
+            t[f"sparse_{v}"] = sparse_mha_cost(dims, ix, p, n, true, v) - index
+        shapes.append(SparseMeasured(h, 8, ix.topk, p, n, t))
+    right, _ = sparse_score(fit_sparse_profile(BASE, shapes), shapes)
+    assert right == len(shapes) and sparse_score(true, shapes)[0] == len(shapes)

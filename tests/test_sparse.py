@@ -29,8 +29,6 @@ DIMS = mb.MLADims(4, 40, 8, 8, 8)  # H, r, nope, rope, v: odd r (partial fp8_ds_
 RAGGED = ([0, 9, 70, 3, 130], [5, 1, 6, 0, 2])  # fresh extend, decodes, an empty request
 
 
-
-
 def _fp32_inputs(k: object) -> bool:
     """Whether an implementation computes the indexer from fp32 inputs as given (the torch
     path); the native GEMM takes its operands as bf16 (exact for e4m3 and bf16 values)."""

@@ -144,9 +144,29 @@ def test_transformers_loads_and_generates_varied_tokens(tmp_path: Path) -> None:
     assert len(set(new)) >= 4, new  # not degenerate
 
 
-@pytest.mark.parametrize("preset", sorted(DSA_PRESETS))
+#: the presets at a real model's attention dims (hundreds of MB in float32): under -m slow
+FULL = [p for p in sorted(DSA_PRESETS) if p.endswith("_full")]
+
+
+def test_full_dsa_presets_have_the_published_attention_dims() -> None:
+    """DeepSeek-V3.2's config.json and GLM-5's (transformers' GlmMoeDsaConfig defaults):
+    (heads, q_lora, r, rope, nope, v, index heads, index head dim, index_topk)."""
+    published = {"v32_full": (128, 1536, 512, 64, 128, 128, 64, 128, 2048),
+                 "glm5_full": (64, 2048, 512, 64, 192, 256, 32, 128, 2048)}  # fmt: skip
+    keys = ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+            "v_head_dim", "index_n_heads", "index_head_dim", "index_topk")  # fmt: skip
+    assert sorted(published) == FULL
+    for name, dims in published.items():
+        assert tuple(DSA_PRESETS[name][k] for k in keys) == dims, name
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [p if p not in FULL else pytest.param(p, marks=pytest.mark.slow) for p in sorted(DSA_PRESETS)],
+)
 def test_dsa_presets_add_the_indexer_to_the_v2_checkpoint(tmp_path: Path, preset: str) -> None:
     kw = dict(DSA_PRESETS[preset])
+    kw.pop("index_topk", None)
     arch = kw.pop("arch")
     out = make_tiny_dsa(tmp_path / preset, arch=arch, index_topk=16, dtype="float32", seed=5,
                         **kw)  # fmt: skip

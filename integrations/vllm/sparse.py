@@ -11,9 +11,10 @@ supplies each engine-facing piece and calls the core for every computation:
   when ``MLA_ABSORB`` is selected (``is_sparse()``); same metadata builder as the dense backend,
   whose plan then carries the indexer dims (``mb.plan(..., indexer=IndexerDims(...))``).
 * :class:`MLAAbsorbSparseImpl`: per layer; its ``forward_mha`` takes every token of the step (as
-  the dense impl) and runs the dense absorbed / normal paths where the plan says the selection
-  is every visible token (every context ``<= index_topk``), else q_lat = q_nope W_UK,
-  :func:`mla_backend.sparse.sparse_absorbed_attention` over the buffer's indices, then W_UV.
+  the dense impl) and runs the dense impl's step where the plan says the selection is every
+  visible token (every context ``<= index_topk``), else the core's layer-level DSA call
+  (:func:`mla_backend.sparse_layer.sparse_mla_attention`: each request on the route the plan
+  carries, sparse absorbed or sparse MHA, over the buffer's indices, or dense).
 * :class:`MLAAbsorbIndexer`: ``CustomOp.register_oot`` replacement of ``SparseAttnIndexer``
   (in-tree behaviour unless ``MLA_ABSORB`` is selected): :func:`mla_backend.sparse.
   write_index_keys` into vLLM's own ``DeepseekV32IndexerCache`` (its fp8 layout byte for byte:
@@ -40,6 +41,7 @@ from mla_backend_integrations.vllm.backend import (
 )
 
 from mla_backend import sparse as mbs
+from mla_backend import sparse_layer as mbs_layer
 from mla_backend.fp8 import quantize_fp8_groups
 from mla_backend.index_cache import IndexCacheLayout
 
@@ -127,21 +129,21 @@ class MLAAbsorbSparseImpl(MLAAbsorbImpl):
             return
         self._check_ready(output_scale)
         T = plan.num_tokens
-        d = self.dims
+        nope = self.dims.qk_nope_head_dim
         q = q.view(q.shape[0], self.num_heads, -1)
-        # both absorptions on the plan's kernels with the layer's prepared (packed) weights,
-        # as the dense path runs them
-        q_lat = self.attn.absorb_q(q[:T, :, : d.qk_nope_head_dim], plan.impl)
-        o_lat, _ = mbs.sparse_absorbed_attention(
-            q_lat,
-            q[:T, :, d.qk_nope_head_dim :],
+        rows = output.view(output.shape[0], -1)
+        same = output.dtype == q.dtype and rows.shape[1] == self.num_heads * self.dims.v_head_dim
+        o = mbs_layer.sparse_mla_attention(
+            self.attn,
+            q[:T, :, :nope],
+            q[:T, :, nope:],
             self._cache_view(kv_c_and_k_pe_cache),
             plan,
             self.topk_indices_buffer[:T],
-            self.scale,
             self._kv_scale(k_scale),
+            out=rows[:T].view(T, self.num_heads, self.dims.v_head_dim) if same else None,
         )
-        pad_rows(self.attn.apply_W_UV(o_lat, plan.impl), output.shape[0], out=output)
+        pad_rows(o, output.shape[0], out=output)  # zeroes the padding rows only
 
 
 def step_metadata(cache_layer_name: str) -> MLAAbsorbMetadata | None:

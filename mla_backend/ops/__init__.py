@@ -23,11 +23,12 @@ from .base import (
     IndexKeyWrite,
     KernelImpl,
     LatentWrite,
+    MaskedMHACall,
     SparseCall,
 )  # fmt: skip
 from .registry import IMPLS
 
 __all__ = [
     "IMPLS", "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl",
-    "LatentWrite", "SparseCall",
+    "LatentWrite", "MaskedMHACall", "SparseCall",
 ]  # fmt: skip

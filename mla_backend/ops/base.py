@@ -8,9 +8,10 @@ delegates it explicitly to the torch implementation's (``m = torch_default("m")`
 defined, naming the method (:func:`check_declared`), and :func:`served_by` says who serves
 what (the registry, :mod:`mla_backend.ops.registry`, and ``python -m mla_backend info`` show
 it). The per-call methods take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`,
-:class:`IndexKeyWrite`, :class:`IndexerCall`, :class:`SparseCall`), validated once at the
-public entry points (:mod:`mla_backend.attention`, :mod:`mla_backend.sparse`) and handed down as
-they are to each implementation's op wrappers, so no layer retypes their arguments. Per-plan
+:class:`IndexKeyWrite`, :class:`IndexerCall`, :class:`SparseCall`, :class:`MaskedMHACall`),
+validated once at the public entry points (:mod:`mla_backend.attention`,
+:mod:`mla_backend.sparse`, :mod:`mla_backend.sparse_normal`) and handed down as they are to each
+implementation's op wrappers, so no layer retypes their arguments. Per-plan
 state an implementation keeps (a schedule, a planned third-party wrapper) is a
 :class:`~mla_backend.parts.PlanState`, stored in the plan's
 :class:`~mla_backend.parts.WorkPartition`; plan-time calls take a
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
-    "PlanState", "SparseCall", "StepShape", "check_declared", "served_by",
+    "MaskedMHACall", "PlanState", "SparseCall", "StepShape", "check_declared", "served_by",
 ]  # fmt: skip
 
 #: the seam's per-call methods, in the order ``info`` lists them: every implementation serves
@@ -48,7 +49,7 @@ __all__ = [
 SEAM_METHODS: tuple[str, ...] = (
     "absorb_q", "apply_W_UV", "write_latent", "absorbed_attention", "gather_latent",
     "decompress", "attention_with_lse", "write_index_keys", "indexer_logits", "indexer_topk",
-    "sparse_absorbed_attention",
+    "sparse_absorbed_attention", "masked_attention_with_lse",
 )  # fmt: skip
 #: the attribute a delegated method carries: the implementation whose code serves it
 DELEGATE_ATTR = "__seam_delegate__"
@@ -168,6 +169,26 @@ class SparseCall:
     attn: AbsorbedCall
     sparse: SparsePart
     indices: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MaskedMHACall:
+    """One masked MHA call of DSA's sparse MHA path (:mod:`mla_backend.sparse_normal`): every
+    head of the query rows over decompressed keys and values, query row i seeing key j iff
+    ``mask[i, j]``.
+
+    Attributes:
+        q: [H, Lq, Dqk]; k: [H, Lk, Dqk]; v: [H, Lk, Dv]; one dtype (bf16/fp16/fp32), last dims
+            contiguous.
+        mask: [Lq, Lk] bool, contiguous, shared by the heads (True: the key is selected).
+        scale: softmax scale of ``q·k``.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor
+    scale: float
 
 
 def _abstract_in(cls: type) -> list[str]:
@@ -327,3 +348,8 @@ class KernelImpl(ABC):
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         """(o_lat [T, H, r] in q's dtype, lse [T, H] float32), in ``call.attn.out`` /
         ``call.attn.lse`` when given (see :class:`SparseCall`)."""
+
+    @abstractmethod
+    def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSA's sparse MHA: (o [H, Lq, Dv] in q's dtype, lse [H, Lq] float32; o = 0, lse = -inf
+        for a row whose mask is empty) (see :class:`MaskedMHACall`)."""

@@ -1,15 +1,20 @@
 """Checks of the DSA ops' outputs against the float64 oracle, shared by the torch-level tests
 (tests/test_sparse.py) and the torch-free core driver's (tests/native_core/): the indexer
 logits' error bound, the top-k selection (the oracle's set where the k-th boundary has a gap
-above the slack, near-boundary slack elsewhere) and the sparse attention against dense
-attention masked to the same index sets."""
+above the slack, near-boundary slack elsewhere) and the sparse attention (absorbed and MHA)
+against dense attention masked to the same index sets."""
 
 from __future__ import annotations
 
 import torch
 
 from .cases import DsaCase
-from .reference import reference_indexer_logits, reference_sparse_attention, reference_topk
+from .reference import (
+    reference_indexer_logits,
+    reference_sparse_attention,
+    reference_sparse_mla_attention,
+    reference_topk,
+)
 
 
 def logit_bound(d: DsaCase, bf16_inputs: bool) -> torch.Tensor:
@@ -83,4 +88,31 @@ def check_sparse(
     assert lse_err <= 1e-3, lse_err
     err = (o.double() - ro).abs().max().item()
     bound = (2e-5 if qdt == torch.float32 else 2.0**-6) * max(1.0, ro.abs().max().item())
+    assert err <= bound, f"error {err:.3g} > {bound:.3g}"
+
+
+def check_sparse_mha(
+    d: DsaCase, o: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor, scale: float
+) -> None:
+    """Sparse MHA o [T, H, v] (q's dtype), lse [T, H] float32 against the decompressed
+    attention masked to each token's index set (float64, from ``kv_b_proj``): tokens with no
+    index o = 0 and lse = -inf; o within the normal path's tolerance of the output's scale
+    (fp32 2e-5; bf16 / fp16, whose K / V are rounded once: 2^-5), the LSE within 1e-3 (fp32)
+    or 2^-5 of its magnitude."""
+    c = d.case
+    qdt = c.q_nope.dtype
+    ro, rl = reference_sparse_mla_attention(c.q_nope, c.q_pe, c.c_kv, c.k_pe, c.kv_b,
+                                            c.dims.qk_nope_head_dim, c.dims.v_head_dim,
+                                            c.batch.new_lens, idx, scale)  # fmt: skip
+    assert o.dtype == qdt and lse.dtype == torch.float32, (o.dtype, lse.dtype)
+    none = (idx < 0).all(1)
+    assert torch.equal(torch.isneginf(lse), none[:, None].expand_as(lse))
+    assert (o[none] == 0).all()
+    some = ~none
+    if some.any():
+        lse_err = (lse[some].double() - rl[some]).abs()
+        tol = 1e-3 if qdt == torch.float32 else 2.0**-5 * rl[some].abs().clamp(min=1.0)
+        assert (lse_err <= tol).all(), f"lse error {lse_err.max().item():.3g}"
+    err = (o.double() - ro).abs().max().item()
+    bound = (2e-5 if qdt == torch.float32 else 2.0**-5) * max(1.0, ro.abs().max().item())
     assert err <= bound, f"error {err:.3g} > {bound:.3g}"

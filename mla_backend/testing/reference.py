@@ -252,3 +252,51 @@ def reference_sparse_attention(
                 o[row] = torch.softmax(s, -1) @ c.double()
             row += 1
     return o, lse
+
+
+def reference_sparse_mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: list[torch.Tensor],
+    k_pe: list[torch.Tensor],
+    kv_b_weight: torch.Tensor,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    new_lens: list[int],
+    indices: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V2 paper's decompressed attention in float64 with a mask built from each
+    query token's index set (-1 entries ignored): the sparse MHA path's oracle. A token with
+    no index gets o = 0, lse = -inf.
+
+    Args:
+        q_nope: [T, H, nope]; q_pe: [T, H, rope]; c_kv / k_pe: per request [L_i, r] /
+            [L_i, rope] (the values the cache holds); kv_b_weight: [H*(nope+v), r];
+            indices: [T, k] logical positions of the token's request.
+    Returns:
+        (o float64 [T, H, v], lse float64 [T, H]).
+    """
+    T, H, nope = q_nope.shape
+    w = kv_b_weight.double().reshape(H, nope + v_head_dim, -1)
+    w_k, w_v = w[:, :nope, :], w[:, nope:, :]
+    o = torch.zeros(T, H, v_head_dim, dtype=torch.float64)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    row = 0
+    for c, kp, n in zip(c_kv, k_pe, new_lens, strict=True):
+        L = c.shape[0]
+        c64 = c.double()
+        k = torch.cat([torch.einsum("lr,hdr->hld", c64, w_k),
+                       kp.double()[None].expand(H, L, -1)], -1)  # fmt: skip
+        v = torch.einsum("lr,hdr->hld", c64, w_v)  # [H, L, v]
+        for _ in range(n):
+            chosen = {int(i) for i in indices[row].tolist() if i >= 0}
+            if chosen:
+                mask = torch.tensor([p in chosen for p in range(L)])
+                q = torch.cat([q_nope[row], q_pe[row]], -1).double()  # [H, D]
+                s = torch.einsum("hd,hld->hl", q, k) * scale
+                s = s.masked_fill(~mask[None, :], float("-inf"))
+                lse[row] = torch.logsumexp(s, -1)
+                o[row] = torch.einsum("hl,hlv->hv", torch.softmax(s, -1), v)
+            row += 1
+    return o, lse

@@ -501,6 +501,43 @@ DSA_PRESETS: dict[str, dict[str, Any]] = {
         index_head_dim=128,
         index_topk_pattern="FFS",
     ),
+    # DeepSeek-V3.2's own attention dims (its config.json): 128 heads, q_lora 1536, latent
+    # 512 + rope 64, nope 128, v 128, 64 index heads x 128, index_topk 2048; few layers, a small
+    # hidden size, MLP and vocabulary (the attention costs as in the real model).
+    "v32_full": dict(
+        arch="deepseek_v32",
+        num_heads=128,
+        hidden_size=512,
+        num_layers=2,
+        intermediate_size=512,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=1536,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=2048,
+    ),
+    # GLM-5's attention dims (transformers 5.19's GlmMoeDsaConfig defaults, zai-org/GLM-5): 64
+    # heads, q_lora 2048, latent 512 + rope 64, nope 192, v 256, 32 index heads x 128,
+    # index_topk 2048; every layer runs its indexer (the config's default schedule at 3
+    # layers); few layers, small hidden size, MLP and vocabulary.
+    "glm5_full": dict(
+        arch="glm_moe_dsa",
+        num_heads=64,
+        hidden_size=512,
+        num_layers=3,
+        intermediate_size=512,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+        q_lora_rank=2048,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+    ),
 }
 
 

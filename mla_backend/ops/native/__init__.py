@@ -24,8 +24,9 @@
   ``absorbed_attention.cpp`` / ``cache_write.cpp`` (checks and parameters of the attention and
   the writer), ``head_gemm.cpp`` / ``mha.cpp`` / ``decompress.cpp`` (absorption GEMMs,
   normal-path MHA, its decompression), ``indexer.cpp`` (DSA's lightning indexer: its logits as a
-  GEMM over ``gemm_core.h``, the streaming top-k) and ``sparse_attention.cpp`` (DSA's sparse
-  absorbed attention over the engines above).
+  GEMM over ``gemm_core.h``, the streaming top-k), ``sparse_attention.cpp`` (DSA's sparse
+  absorbed attention over the engines above) and ``sparse_mha.cpp`` (DSA's sparse MHA: the MHA
+  of ``mha.cpp`` under a per-row mask).
 
 Engines of the absorbed attention (:mod:`.engine` holds the one rule that picks them per level
 and CPU, ``MLA_BACKEND_NATIVE_ENGINE`` overrides it): the fp32 engine (any q / cache dtype;

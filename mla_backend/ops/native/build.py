@@ -20,10 +20,11 @@ the per-head absorption GEMMs), ``native_attention_with_lse`` (``csrc/mha.cpp``:
 path's MHA) and ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_UK^T`` /
 ``c_kv · W_UV``), the last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
 ``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the same GEMM
-engine) and ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
-attention's engines). Each op that takes a tensor has a fake (meta) function (:data:`FAKES`),
-checked against the loaded build's schemas (:func:`schema_mismatches`), so ``torch.compile`` /
-``FakeTensorMode`` treat them as opaque.
+engine), ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
+attention's engines) and ``native_masked_attention_with_lse`` (``csrc/sparse_mha.cpp``: DSA's
+sparse MHA, the normal path's MHA with a per-row mask). Each op that takes a tensor has a fake
+(meta) function (:data:`FAKES`), checked against the loaded build's schemas
+(:func:`schema_mismatches`), so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 #: the torch layer, one file per op (declared in ``ops.h``), and ``api.cpp``, which registers them
 _SOURCES = (
     "api.cpp", "absorbed_attention.cpp", "cache_write.cpp", "head_gemm.cpp", "mha.cpp",
-    "decompress.cpp", "indexer.cpp", "sparse_attention.cpp",
+    "decompress.cpp", "indexer.cpp", "sparse_attention.cpp", "sparse_mha.cpp",
 )  # fmt: skip
 _HEADERS = (
     "isa.h",
@@ -165,6 +166,11 @@ def _attention_with_lse(q, k, v, causal, scale):
     return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
 
 
+def _masked_attention_with_lse(q, k, v, mask, scale):
+    H, Lq, _ = q.shape
+    return q.new_empty((H, Lq, v.shape[-1])), q.new_empty((H, Lq), dtype=torch.float32)
+
+
 def _decompress(c_kv, k_pe, W_UK, W_UV):
     L, (H, nope, _), rope = c_kv.shape[0], W_UK.shape, k_pe.shape[-1]
     return c_kv.new_empty((L, H, nope + rope)), c_kv.new_empty((L, H, W_UV.shape[-1]))
@@ -200,6 +206,7 @@ FAKES: dict[str, Callable[..., Any]] = {
     "native_head_gemm": _head_gemm,
     "native_head_gemm_out": _head_gemm_out,
     "native_attention_with_lse": _attention_with_lse,
+    "native_masked_attention_with_lse": _masked_attention_with_lse,
     "native_decompress": _decompress,
     "native_indexer_topk": _indexer_topk,
     "native_indexer_logits": _indexer_logits,
@@ -250,6 +257,8 @@ def schema_mismatches(
             problems.append(f"{name}: its fake's {why}")
     problems += [f"{name}: a fake of no registered op" for name in fakes if name not in schemas]
     return problems
+
+
 def extension_name(isa: str, openmp: bool = True) -> str:
     """The build's name (its directory under ``TORCH_EXTENSIONS_DIR``): the level, a hash of
     the sources and headers (torch's own cache key hashes the sources only), the level's flags

@@ -2,9 +2,10 @@
 and absorbed attention from the C++ kernels of :mod:`mla_backend.ops.native` (compiled on first
 use) for every cache layout (bf16/fp16/fp32, per-tensor fp8, ``fp8_ds_mla`` uint8 rows), and the
 absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed once per layer by
-:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA for bf16 (all at every
-ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the torch implementation's); DSA's
-indexer (logits, top-k) and sparse attention from their C++ kernels. Delegated explicitly to the
+:meth:`Kernels.prepare_weights`), the normal path's decompression and MHA and DSA's sparse
+(masked) MHA for bf16 (all at every ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes:
+the torch implementation's); DSA's indexer (logits, top-k) and sparse attention from their C++
+kernels. Delegated explicitly to the
 torch implementation (:func:`mla_backend.ops.torch.torch_default`): the normal path's cache
 reads (``gather_latent``) and the index-key write."""
 
@@ -18,7 +19,15 @@ import torch
 
 from ...cost import DeviceProfile, stored_fit
 from ...decision import Decision
-from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
+from ..base import (
+    AbsorbedCall,
+    IndexerCall,
+    KernelImpl,
+    LatentWrite,
+    MaskedMHACall,
+    SparseCall,
+    StepShape,
+)  # fmt: skip
 from ..torch import DEFAULT as TORCH
 from ..torch import torch_default
 from . import ops as native
@@ -185,6 +194,12 @@ class Kernels(KernelImpl):
         if bf16 and not self._torch_bf16_is_faster(q.shape[1] * q.shape[0]):
             return native.attention_with_lse(q, k, v, causal, scale, isa=self.level)
         return TORCH.attention_with_lse(q, k, v, causal, scale)
+
+    def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = call.q, call.k, call.v
+        if q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu":
+            return native.masked_attention_with_lse(call, isa=self.level)
+        return TORCH.masked_attention_with_lse(call)
 
     def decompress(
         self, c_kv: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor

@@ -1,8 +1,8 @@
 """Thin Python wrappers of the native ``torch.library`` ops (their schemas in ``csrc/api.cpp``,
 their fakes in :mod:`mla_backend.ops.native.build`): the seam's record in (:class:`LatentWrite`,
-:class:`AbsorbedCall`, :class:`IndexerCall`, :class:`SparseCall`: the op's arguments are its
-fields, named once, here), the op's outputs back; the normal path's and the absorption's ops take
-the seam method's tensors. The device seam's native implementation
+:class:`AbsorbedCall`, :class:`IndexerCall`, :class:`SparseCall`, :class:`MaskedMHACall`: the
+op's arguments are its fields, named once, here), the op's outputs back; the normal path's and
+the absorption's ops take the seam method's tensors. The device seam's native implementation
 (:mod:`mla_backend.ops.native.kernels`) calls these.
 
 Every wrapper takes ``isa``: the ISA level whose build runs the op (``torch.ops.mla_backend_<isa>``;
@@ -18,7 +18,7 @@ from .build import _state, op_namespace, require
 from .engine import attention_engine, engine_code
 
 if TYPE_CHECKING:
-    from ..base import AbsorbedCall, IndexerCall, LatentWrite, SparseCall
+    from ..base import AbsorbedCall, IndexerCall, LatentWrite, MaskedMHACall, SparseCall
 
 
 def simd_level(isa: str | None = None) -> str:
@@ -151,6 +151,17 @@ def attention_with_lse(
         [H, Lq] float32 (natural log; -inf and o = 0 for a row that sees no key).
     """
     return op_namespace(isa).native_attention_with_lse(q, k, v, bool(causal), float(scale))
+
+
+def masked_attention_with_lse(
+    call: MaskedMHACall, *, isa: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSA's sparse MHA (``csrc/sparse_mha.cpp``, see :class:`MaskedMHACall`):
+    :func:`attention_with_lse` where query row i sees key j iff ``mask[i, j]`` (mask [Lq, Lk]
+    bool, contiguous, shared by the heads; tiles of 32 rows x 64 keys that no row selected are
+    skipped); bf16, any ISA level. A row whose mask is empty gets o = 0, lse = -inf."""
+    ns = op_namespace(isa)
+    return ns.native_masked_attention_with_lse(call.q, call.k, call.v, call.mask, float(call.scale))
 
 
 def decompress(

@@ -19,9 +19,10 @@ from ..base import (
     IndexKeyWrite,
     KernelImpl,
     LatentWrite,
+    MaskedMHACall,
     SparseCall,
 )  # fmt: skip
-from . import absorbed_attention, decompress, indexer, mha, paged, sparse_attention
+from . import absorbed_attention, decompress, indexer, mha, paged, sparse_attention, sparse_mha
 from .cache_write import write_latent
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class Kernels(KernelImpl):
 
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_attention.sparse_absorbed_attention(call)
+
+    def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparse_mha.masked_attention_with_lse(call)
 
 
 #: the torch implementation with its default tuning: the instance delegations run on

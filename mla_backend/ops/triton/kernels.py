@@ -3,8 +3,8 @@
 :mod:`.schedule`), and of :mod:`.dsa` for DSA's index-key write, indexer logits / top-k and
 sparse attention. Delegated explicitly to the torch implementation
 (:func:`mla_backend.ops.torch.torch_default`): the absorption bmms, the normal path's cache
-reads, decompression and MHA (torch's fused SDPA), and the DSA shapes the kernels do not take (a
-latent wider than 512, more than 16 scales per index key)."""
+reads, decompression and MHA (torch's fused SDPA), DSA's sparse (masked) MHA, and the DSA
+shapes the kernels do not take (a latent wider than 512, more than 16 scales per index key)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ class Kernels(KernelImpl):
     gather_latent = torch_default("gather_latent")
     decompress = torch_default("decompress")
     attention_with_lse = torch_default("attention_with_lse")
+    masked_attention_with_lse = torch_default("masked_attention_with_lse")
 
     def __init__(
         self,

@@ -41,6 +41,10 @@ TORCH_LIBRARY(MLA_OPS_NS, m) {
       "native_sparse_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_lens, Tensor indices, Tensor token_req, float softmax_scale, "
       "Tensor? kv_scale, int max_page_id, int engine, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  // sparse_mha.cpp
+  m.def(
+      "native_masked_attention_with_lse(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
@@ -55,4 +59,5 @@ TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_indexer_topk", &mla_native::indexer_topk);
   m.impl("native_indexer_logits", &mla_native::indexer_logits);
   m.impl("native_sparse_attention", &mla_native::sparse_attention);
+  m.impl("native_masked_attention_with_lse", &mla_native::masked_attention_with_lse);
 }

@@ -59,6 +59,11 @@ void sparse_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at:
                       const c10::optional<at::Tensor>& kv_scale, int64_t max_page_id, int64_t engine,
                       const at::Tensor& out, const at::Tensor& lse);
 
+// sparse_mha.cpp: DSA's sparse MHA, the normal path's MHA under a per-query-row mask (bf16)
+std::tuple<at::Tensor, at::Tensor> masked_attention_with_lse(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& mask,
+                                                             double scale);
+
 // ---- shared by the torch layer -------------------------------------------------------------
 // the latent dtypes the absorbed attention and the cache write take (their errors name them)
 inline constexpr const char* dtype_list =
