@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .attention import MLAAttention, _check_normal, _check_out
+from .checks import check_devices
 from .ops import AbsorbedCall, SparseCall
 from .plan import MLAPlan
 from .sparse import _sparse_of
@@ -45,8 +46,8 @@ def sparse_mla_attention(
             written.
         plan: the step's plan, made with ``indexer=``.
         indices: [T, k] int32 / int64, the indexer's selection (logical positions of each
-            token's request, -1 = none); may be None when no request is sparse
-            (``plan.choice.sparse_mode == "dense"``).
+            token's request, -1 = none; a position listed twice counts once); may be None when
+            no request is sparse (``plan.choice.sparse_mode == "dense"``).
         kv_scale: float32 scalar tensor of a per-tensor fp8 cache.
         out: optional [T, H, v] buffer in q_nope's dtype (any strides with a contiguous last
             dim: a view of the engine's output).
@@ -67,6 +68,7 @@ def sparse_mla_attention(
                                                                                   torch.int64):
             raise ValueError(f"indices {indices.dtype} {tuple(indices.shape)} is not supported: "
                              f"[T={T}, k] int32 / int64")  # fmt: skip
+        check_devices(kv_cache.device, "the cache", indices=indices)
     cache = (kv_cache, layout)
     impl = plan.impl
     whole = len(routes) == 1

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checks import check_step
+from .checks import check_devices, check_scale, check_step
 from .cost import sparse_mha_variant
 from .merge import merge_attention_states
 from .normal import DEFAULT_CHUNK_TOKENS, decompress
@@ -221,10 +221,10 @@ def sparse_normal_attention(
             request's rows (new tokens written).
         plan: the step's plan, made with ``indexer=``.
         weights: the layer's :class:`AbsorbWeights` (``W_UK`` / ``W_UV``).
-        indices: [T, k] int32 / int64 logical positions of each token's request (any order,
-            each valid entry once), -1 = none; out-of-range entries are refused as by
-            :func:`mla_backend.sparse.sparse_absorbed_attention`.
-        softmax_scale: scale of ``q·k``.
+        indices: [T, k] int32 / int64 logical positions of each token's request (any order;
+            a position listed twice counts once), -1 = none; out-of-range entries are refused
+            as by :func:`mla_backend.sparse.sparse_absorbed_attention`.
+        softmax_scale: scale of ``q·k``, a finite float > 0.
         kv_scale: float32 scalar tensor of a per-tensor fp8 cache.
         variant: ``"masked"`` / ``"gather"`` for every request, or None: per request, the
             cheaper on the plan's cost profile (:func:`mla_backend.cost.sparse_mha_variant`).
@@ -244,6 +244,8 @@ def sparse_normal_attention(
                                                                               torch.int64):
         raise ValueError(f"indices {indices.dtype} {tuple(indices.shape)} is not supported: "
                          f"[T={T}, k] int32 / int64")  # fmt: skip
+    check_scale(softmax_scale)
+    check_devices(kv_cache.device, "the cache", indices=indices, out=out, lse=lse)
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not supported; use one of {VARIANTS} or None")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:

@@ -112,6 +112,17 @@ def test_empty_lists(kernels, variant):
     check_sparse_mha(d, o, lse, idx, 0.1)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_repeated_positions_count_once(kernels, variant):
+    """A position listed more than once in a token's list counts once (the rule of
+    :func:`mla_backend.sparse.sparse_absorbed_attention`): the oracle over the set."""
+    d, plan = _case(kernels, H=3, page=16, dtype=torch.float32, seed=4)
+    idx = _indices(d, 5, 2)
+    twice = torch.cat([idx, idx.flip(1), idx[:, :2]], 1)
+    o, lse = _run(d, plan, twice, variant, 0.2)
+    check_sparse_mha(d, o, lse, idx, 0.2)
+
+
 @pytest.mark.parametrize("bad", [130, -2])
 def test_out_of_range_index_refused(kernels, bad):
     d, plan = _case(kernels)
@@ -130,6 +141,10 @@ def test_refusals():
         _run(d, plan, idx.float(), "masked", 0.1)
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         _run(d, plan, idx, "masked", 0.1, chunk_tokens=0)
+    with pytest.raises(ValueError, match="softmax_scale=nan"):
+        _run(d, plan, idx, "masked", float("nan"))
+    with pytest.raises(ValueError, match="indices is on meta"):
+        _run(d, plan, idx.to("meta"), "masked", 0.1)
     plain = mb.plan(d.case.batch, d.case.dims, mb.Policy("absorb"), impl="torch")
     with pytest.raises(ValueError, match="indexer=IndexerDims"):
         _run(d, plain, idx, "masked", 0.1)
