@@ -6,7 +6,8 @@ kernels), :mod:`.triton` (GPU), :mod:`.flashinfer` (FlashInfer's MLA wrapper, co
 Triton). Implementations share plain-torch helpers by composition, through the base class's
 defaults: :mod:`.paged` (page gathers, the normal path's dequantized cache reads), :mod:`.dense`
 (decompression), :mod:`.sdpa` (torch's fused MHA with LSE), :mod:`.indexer` / :mod:`.sparse`
-(DSA's lightning indexer and sparse attention).
+(DSA's lightning indexer and sparse attention), :mod:`.keyset` (attention over key sets:
+its records and plain-torch default).
 
 Which implementation runs on a device is decided once, above the implementations, by
 :func:`mla_backend.selection.resolve` (the registrations live there too).
@@ -17,10 +18,19 @@ Which implementation runs on a device is decided once, above the implementations
 
 from __future__ import annotations
 
-from .base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
+from .base import (
+    AbsorbedCall,
+    IndexerCall,
+    IndexKeyWrite,
+    KernelImpl,
+    KeySetCall,
+    LatentWrite,
+    SparseCall,
+)  # fmt: skip
+from .keyset import KeyCache, KeyWindow
 from .registry import IMPLS
 
 __all__ = [
-    "IMPLS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
-    "SparseCall",
+    "IMPLS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "KeyCache",
+    "KeySetCall", "KeyWindow", "LatentWrite", "SparseCall",
 ]  # fmt: skip

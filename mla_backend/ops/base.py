@@ -15,8 +15,9 @@ absorption bmms (:func:`mla_backend.weights.absorb_q` / ``apply_W_UV``), the nor
 reads (:mod:`.paged`), decompression (:mod:`.dense`) and MHA (:mod:`.sdpa`), one query block
 per request and one split, no plan state, identity weight preparation, the generic CPU / GPU
 cost profile; DeepSeek Sparse Attention's index-key write, indexer logits / top-k
-(:mod:`.indexer`) and sparse attention (:mod:`.sparse`) in plain torch. ``write_latent`` and
-``absorbed_attention`` have no default.
+(:mod:`.indexer`) and sparse attention (:mod:`.sparse`) in plain torch; attention over key
+sets (:mod:`.keyset`: windows, index lists into one or two caches, sinks) in plain torch.
+``write_latent`` and ``absorbed_attention`` have no default.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from ..cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ..decision import Decision
 from ..parts import PlanState, StepShape
 from ..weights import AbsorbWeights, absorb_q, apply_W_UV
-from . import dense, indexer, paged, sdpa, sparse
+from . import dense, indexer, keyset, paged, sdpa, sparse
+from .keyset import KeySetCall
 
 if TYPE_CHECKING:
     from ..cache_layout import CacheLayout
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
     from ..parts import PlanPart, SparsePart
 
 __all__ = [
-    "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite", "PlanState",
-    "SparseCall", "StepShape",
+    "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "KeySetCall", "LatentWrite",
+    "PlanState", "SparseCall", "StepShape",
 ]  # fmt: skip
 
 
@@ -271,3 +273,9 @@ class KernelImpl:
             a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part, call.sparse, call.indices,
             a.softmax_scale, a.kv_scale, a.out, a.lse,
         )  # fmt: skip
+
+    # ---- per layer: attention over key sets (dense MLA, DSA, DeepSeek-V4 as cases) ---------
+    def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o [T, H, dv] in q's dtype, lse [T, H] float32, the sink included), in
+        ``call.attn.out`` / ``call.attn.lse`` when given (see :mod:`mla_backend.ops.keyset`)."""
+        return keyset.keyset_attention(call)

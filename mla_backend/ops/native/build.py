@@ -18,7 +18,9 @@ GEMMs), ``native_attention_with_lse`` (``csrc/mha_prefill.cpp``: the normal path
 last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
 ``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the same GEMM
 engine) and ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
-attention's engines) have fake (meta) implementations, so ``torch.compile`` /
+attention's engines), and ``native_keyset_attention`` (``csrc/keyset_attention.cpp``: absorbed
+attention over key sets -- windows, index lists into one or two caches, sinks -- over the same
+engines) have fake (meta) implementations, so ``torch.compile`` /
 ``FakeTensorMode`` treat them as opaque.
 """
 
@@ -41,7 +43,7 @@ __all__ = ["HEAD_GEMM_COLS", "available", "op_namespace", "require", "unavailabl
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (
     "mla_cpu.cpp", "head_gemm.cpp", "mha_prefill.cpp", "decompress.cpp", "indexer.cpp",
-    "sparse_attention.cpp",
+    "sparse_attention.cpp", "keyset_attention.cpp",
 )  # fmt: skip
 _HEADERS = (
     "isa.h",
@@ -176,6 +178,12 @@ def _register_fakes(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::native_sparse_attention")
     def _(q_lat, q_pe, kv_cache, block_table, cu, kv_lens, indices, token_req, softmax_scale,
           kv_scale, max_page_id, engine, out, lse):  # fmt: skip
+        return None
+
+    @torch.library.register_fake(f"{ns}::native_keyset_attention")
+    def _(q_lat, q_pe, kv_cache, block_table, cu, kv_lens, range_, window, indices, cache2,
+          block_table2, lens2, indices2, sink, softmax_scale, kv_scale, max_page_id,
+          num_kv_splits, engine, out, lse):  # fmt: skip
         return None
 
     @torch.library.register_fake(f"{ns}::native_fp8_decode")

@@ -6,7 +6,8 @@ absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed
 ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes: the base class's torch defaults);
 the normal path's cache reads from the base class (:mod:`mla_backend.ops.paged`); DSA's
 indexer (logits, top-k) and sparse attention from their C++ kernels, the index-key write from the
-base class's torch default."""
+base class's torch default; attention over key sets (windows, index lists into one or two
+caches, sinks) from ``csrc/keyset_attention.cpp``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ import torch
 
 from ...cost import DeviceProfile, stored_fit
 from ...decision import Decision
-from ..base import AbsorbedCall, IndexerCall, KernelImpl, LatentWrite, SparseCall, StepShape
+from ..base import (
+    AbsorbedCall,
+    IndexerCall,
+    KernelImpl,
+    KeySetCall,
+    LatentWrite,
+    SparseCall,
+    StepShape,
+)  # fmt: skip
 from . import ops as native
 from .engine import select_engine
 from .isa import ISA_LEVELS, select_isa
@@ -254,5 +263,28 @@ class Kernels(KernelImpl):
             a.q_lat, a.q_pe, a.kv_cache, a.part.block_table, a.part.cu_new_t, a.part.kv_lens_t,
             call.indices, call.sparse.token_req_t, a.softmax_scale, a.kv_scale,
             a.part.max_page_id, a.out, a.lse, isa=self.level, engine=self.engine,
+        )  # fmt: skip
+        return a.deliver(o, lse)
+
+    def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
+        # value = key: the whole row is the latent (q = [q_lat ; q_pe], no rope part)
+        a, part = call.attn, call.attn.part
+        q_lat, q_pe = a.q_lat, a.q_pe
+        if call.value_is_key:
+            q_lat = torch.cat([q_lat, q_pe], -1)
+            q_pe = q_lat.new_empty(q_lat.shape[0], q_lat.shape[1], 0)
+        out = a.out if a.out is not None and a.out.is_contiguous() else None
+        lse = a.lse if a.lse is not None and a.lse.is_contiguous() else None
+        ex = call.extra
+        o, lse = native.keyset_attention(
+            q_lat, q_pe, a.kv_cache, part.block_table, part.cu_new_t, part.kv_lens_t,
+            a.softmax_scale, a.kv_scale, causal_range=call.causal_range,
+            window=call.window.sizes_t if call.window is not None else None,
+            indices=call.indices, cache2=ex.kv_cache if ex is not None else None,
+            block_table2=ex.block_table if ex is not None else None,
+            lens2=ex.lens if ex is not None else None, indices2=call.extra_indices,
+            sink=call.sink, max_page_id=part.max_page_id,
+            num_kv_splits=part.work.num_kv_splits, out=out, lse=lse, isa=self.level,
+            engine=self.engine,
         )  # fmt: skip
         return a.deliver(o, lse)

@@ -285,3 +285,49 @@ def sparse_attention(
         float(softmax_scale), kv_scale, int(max_page_id), code, o, l,
     )  # fmt: skip
     return o, l
+
+
+def keyset_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    *,
+    causal_range: bool = True,
+    window: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    cache2: torch.Tensor | None = None,
+    block_table2: torch.Tensor | None = None,
+    lens2: torch.Tensor | None = None,
+    indices2: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    max_page_id: int = -1,
+    num_kv_splits: int = 0,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    isa: str | None = None,
+    engine: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed attention over key sets (``csrc/keyset_attention.cpp``; the semantics of
+    :mod:`mla_backend.ops.keyset`): q_lat [T, H, r], q_pe [T, H, rope], the main cache in any
+    layout :func:`absorbed_attention` reads with block_table / cu_seqlens_q / kv_lens as there;
+    ``causal_range`` with ``window`` [B] int32 sizes (None: from 0), ``indices`` [T, k] int32
+    positions of the main cache, ``cache2`` (the main cache's row format) with
+    ``block_table2`` [B, pages2], ``lens2`` [B] and ``indices2`` [T, k2], ``sink`` [H] float32
+    -> (o_lat [T, H, r] in q's dtype, lse [T, H] float32, the sink included). A bad window,
+    index or used page id raises RuntimeError naming it, before any read."""
+    level = require(isa)
+    T, H, r = q_lat.shape
+    o = out if out is not None else torch.empty(T, H, r, dtype=q_lat.dtype)
+    l = lse if lse is not None else torch.empty(T, H, dtype=torch.float32)
+    code = engine_code(attention_engine(level) if engine is None else engine)
+    op_namespace(level).native_keyset_attention(
+        q_lat, q_pe, kv_cache, block_table, cu_seqlens_q, kv_lens, bool(causal_range), window,
+        indices, cache2, block_table2, lens2, indices2, sink, float(softmax_scale), kv_scale,
+        int(max_page_id), int(num_kv_splits), code, o, l,
+    )  # fmt: skip
+    return o, l

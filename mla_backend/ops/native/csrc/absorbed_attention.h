@@ -98,6 +98,7 @@ void run_item(const Params& P, const Item& it, Engine& E, int64_t* offs, float* 
     }
     const float* o = E.orow(m);
     if (it.nsplit == 1) {
+      apply_sink(P, R % H, inv, lse);
       const int64_t g = P.cu[i] * H + R;  // flat [T*H] row
       store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
       P.lse[g] = lse;
@@ -176,8 +177,10 @@ void merge_splits(const Params& P, const std::vector<std::pair<int64_t, int64_t>
       }
       const int64_t g = P.cu[jb.req] * P.H + R;
       float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+      float lse = wsum > 0.0f ? mx + std::log(wsum) : kNegInf;
+      apply_sink(P, R % P.H, inv, lse);
       store_row(reinterpret_cast<QT*>(P.out) + g * r, acc.data(), r, inv);
-      P.lse[g] = wsum > 0.0f ? mx + std::log(wsum) : kNegInf;
+      P.lse[g] = lse;
     }
   });
 }
