@@ -21,6 +21,7 @@ from mla_backend.config import current
 from mla_backend.ops import KeyCache, native
 from mla_backend.selection import get_impl
 from mla_backend.testing.cases import KeySetCase, make_keyset_case
+from mla_backend.testing.keyset_checks import check_keyset
 from mla_backend.testing.reference import reference_keyset_attention
 
 DIMS = mb.MLADims(4, 40, 8, 8, 8)  # H, r, nope, rope, v: odd r (a partial fp8_ds_mla tile)
@@ -63,28 +64,12 @@ def _indices(T: int, k: int, lens: list[int], new: list[int], seed: int) -> torc
     return out
 
 
-def _check(d: KeySetCase, o, lse, ref_o, ref_lse, dtype) -> None:
-    """o within 2e-5 (fp32) / 2^-6 (bf16, fp16) of the output's scale, lse to 1e-3 (2e-2 low
-    precision), -inf exactly where the oracle's is, and nothing non-finite in o."""
-    assert o.dtype == dtype and lse.dtype == torch.float32
-    assert torch.isfinite(o).all(), "a NaN or inf leaked into o"
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), (lse, ref_lse)
-    fin = torch.isfinite(ref_lse)
-    lse_tol = 1e-3 if dtype == torch.float32 else 2e-2
-    if fin.any():
-        err = (lse[fin].double() - ref_lse[fin]).abs().max().item()
-        assert err <= lse_tol * max(1.0, ref_lse[fin].abs().max().item()), err
-    bound = (2e-5 if dtype == torch.float32 else 2.0**-6) * max(1.0, ref_o.abs().max().item())
-    err = (o.double() - ref_o).abs().max().item()
-    assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
-
-
 def _run(d: KeySetCase, kern, *, window=None, causal_range=True, k1=0, k2=0, sink=None,
          value_is_key=False, seed=0, scale=None):  # fmt: skip
     """Run the call on ``kern`` and the oracle; returns (o, lse, ref_o, ref_lse)."""
     c = d.case
     T = c.batch.num_tokens
-    new, kvl = list(c.batch.new_lens), [p + n for p, n in zip(c.batch.prefix_lens, c.batch.new_lens)]
+    new, kvl = list(c.batch.new_lens), list(c.batch.kv_lens)
     idx = _indices(T, k1, kvl, new, seed + 1) if k1 else None
     idx2 = _indices(T, k2, d.extra.lens.tolist(), new, seed + 2) if k2 else None
     D = d.q_lat.shape[-1] + d.q_pe.shape[-1]
@@ -121,7 +106,7 @@ def test_window_ranges_match_oracle(kernels, window, sink):
     """Causal ranges with a start: windows of 1, 4 and larger than every context (the dense
     case), with and without sinks."""
     d = _case()
-    _check(d, *_run(d, kernels, window=window, sink=SINKS[sink]), torch.float32)
+    check_keyset(*_run(d, kernels, window=window, sink=SINKS[sink]), torch.float32)
 
 
 @pytest.mark.parametrize("page,page2", [(1, 64), (16, 1), (64, 16)])
@@ -131,7 +116,7 @@ def test_window_plus_extra_cache_matches_oracle(kernels, page, page2, dtype):
     a second cache with its own page size and pages, with a sink; ragged, prefixes."""
     d = _case(page=page, page2=page2, dtype=dtype)
     o, lse, ro, rl = _run(d, kernels, window=4, k2=9, sink=SINKS["mixed"])
-    _check(d, o, lse, ro, rl, dtype)
+    check_keyset(o, lse, ro, rl, dtype)
 
 
 @pytest.mark.parametrize("causal_range", [False, True])
@@ -139,7 +124,7 @@ def test_indices_into_both_caches_match_oracle(kernels, causal_range):
     """Index lists into the main cache (DSA) and the second cache together, with or without
     the causal range (a repeated position counts twice)."""
     d = _case(page=16, page2=64)
-    _check(d, *_run(d, kernels, causal_range=causal_range, k1=7, k2=5, sink=SINKS["mixed"]),
+    check_keyset(*_run(d, kernels, causal_range=causal_range, k1=7, k2=5, sink=SINKS["mixed"]),
            torch.float32)  # fmt: skip
 
 
@@ -150,7 +135,7 @@ def test_sinks_match_oracle(kernels, sink):
     d = _case()
     T = d.case.batch.num_tokens
     o, lse, ro, rl = _run(d, kernels, causal_range=False, k1=3, sink=SINKS[sink])
-    _check(d, o, lse, ro, rl, torch.float32)
+    check_keyset(o, lse, ro, rl, torch.float32)
     plan = d.plan(impl=kernels)
     none = torch.full((T, 2), -1, dtype=torch.int32)
     o, lse = mb.keyset_attention(d.q_lat, d.q_pe, d.case.kv_cache, plan, 0.3, causal_range=False,
@@ -167,14 +152,14 @@ def test_value_is_key_v4_width(kernels, dtype):
     sink = torch.tensor([1.0, float("-inf"), -3.0])
     o, lse, ro, rl = _run(d, kernels, window=8, k2=4, sink=sink, value_is_key=True)
     assert o.shape == (6, 3, 512)
-    _check(d, o, lse, ro, rl, dtype)
+    check_keyset(o, lse, ro, rl, dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", [mb.FP8_DTYPE, torch.uint8])
 def test_fp8_layouts_match_oracle(kernels, cache_dtype):
     """Per-tensor fp8 (kv_scale) and fp8_ds_mla rows in both caches."""
     d = _case(dtype=torch.bfloat16, cache_dtype=cache_dtype, page2=1)
-    _check(d, *_run(d, kernels, window=4, k1=2, k2=6, sink=SINKS["mixed"]), torch.bfloat16)
+    check_keyset(*_run(d, kernels, window=4, k1=2, k2=6, sink=SINKS["mixed"]), torch.bfloat16)
 
 
 def test_kv_splits_merge_with_sink(isa):
@@ -183,7 +168,7 @@ def test_kv_splits_merge_with_sink(isa):
     kern = native.Kernels(isa=isa, num_kv_splits=3)
     d = _case(prefix=[200, 0], new=[2, 70], lens2=[50, 4])
     for window, k2 in ((None, 0), (64, 20)):
-        _check(d, *_run(d, kern, window=window, k2=k2, sink=SINKS["mixed"]), torch.float32)
+        check_keyset(*_run(d, kern, window=window, k2=k2, sink=SINKS["mixed"]), torch.float32)
 
 
 # ---- dense MLA and DSA as cases of the primitive ----------------------------------------------
@@ -211,8 +196,7 @@ def test_sparse_case_equals_sparse_absorbed_attention(kernels, dtype):
     d = _case(dtype=dtype)
     c = d.case
     T = c.batch.num_tokens
-    kvl = [p + n for p, n in zip(c.batch.prefix_lens, c.batch.new_lens)]
-    idx = _indices(T, 11, kvl, list(c.batch.new_lens), 5)
+    idx = _indices(T, 11, list(c.batch.kv_lens), list(c.batch.new_lens), 5)
     dsa = mb.plan(c.batch, c.dims, mb.Policy("absorb"), impl=kernels,
                   indexer=mb.IndexerDims(2, 16, 11))  # fmt: skip
     o, lse = mb.keyset_attention(d.q_lat, d.q_pe, c.kv_cache, dsa, 0.2, causal_range=False,
@@ -227,7 +211,8 @@ def test_sparse_case_equals_sparse_absorbed_attention(kernels, dtype):
 
 
 # ---- hypothesis-drawn shapes ------------------------------------------------------------------
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(
     data=st.data(),
     H=st.integers(1, 5),
@@ -251,7 +236,7 @@ def test_hypothesis_key_sets(kernels, data, H, page, page2):
     dims = mb.MLADims(H, 24, 8, 8, 8)
     d = _case(dims=dims, page=page, page2=page2, prefix=prefix, new=new, lens2=lens2,
               seed=data.draw(st.integers(0, 99)))  # fmt: skip
-    _check(d, *_run(d, kernels, window=window, causal_range=causal_range, k1=k1, k2=k2,
+    check_keyset(*_run(d, kernels, window=window, causal_range=causal_range, k1=k1, k2=k2,
                     sink=sink, value_is_key=vk), torch.float32)  # fmt: skip
 
 
@@ -330,4 +315,4 @@ def test_long_grid(kernels, page, window, dtype):
     d = _case(page=page, page2=max(1, 64 // page), dtype=dtype, prefix=[300, 0, 17],
               new=[3, 40, 9], lens2=[75, 10, 4])  # fmt: skip
     for k1, k2 in ((0, 0), (5, 0), (0, 16), (3, 8)):
-        _check(d, *_run(d, kernels, window=window, k1=k1, k2=k2, sink=SINKS["mixed"]), dtype)
+        check_keyset(*_run(d, kernels, window=window, k1=k1, k2=k2, sink=SINKS["mixed"]), dtype)
