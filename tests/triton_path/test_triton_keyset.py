@@ -100,7 +100,8 @@ def test_empty_key_sets_and_large_sink():
     o, lse = mb.keyset_attention(d.q_lat.to(DEVICE), d.q_pe.to(DEVICE),
                                  d.case.kv_cache.to(DEVICE), plan, 0.3, causal_range=False,
                                  indices=none, sink=SINK.to(DEVICE))  # fmt: skip
-    assert (o.cpu() == 0).all() and torch.equal(lse.cpu(), SINK.expand(T, 4))
+    assert (o.cpu() == 0).all()  # lse = the sink, to the base-2 round trip's rounding
+    torch.testing.assert_close(lse.cpu(), SINK.expand(T, 4), rtol=1e-6, atol=1e-6)
 
 
 def test_dense_and_dsa_cases_equal_the_existing_ops():
