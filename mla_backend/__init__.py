@@ -13,7 +13,7 @@ from .batch import MLABatch, Phase
 from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .index_cache import IndexCacheLayout, IndexerDims
-from .keyset import keyset_attention
+from .keyset import KeyCache, keyset_attention
 from .merge import merge_attention_shards, merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
@@ -36,6 +36,7 @@ __all__ = [
     "AbsorbWeights",
     "IndexCacheLayout",
     "IndexerDims",
+    "KeyCache",
     "MLAAttention",
     "MLABatch",
     "MLADims",

@@ -16,7 +16,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
 3. the implementations, sibling packages ``ops/torch``, ``ops/native``, ``ops/triton``,
    ``ops/flashinfer`` (and any new one under ``ops/``);
 4. selection (registers the implementations with lazy factories, resolves what runs) and plan;
-5. entry points: checks, normal, attention, sparse;
+5. entry points: checks, normal, attention, sparse, keyset;
 6. the package itself, ``__main__`` and ``testing/``.
 """
 
@@ -34,7 +34,7 @@ CORE = (
     "config", "decision",
 )
 SELECTION = ("selection", "plan")
-ENTRY = ("checks", "normal", "attention", "sparse")
+ENTRY = ("checks", "normal", "attention", "sparse", "keyset")
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: upward imports in files another branch owns, to drop when it lands (see the merge note)

@@ -32,7 +32,7 @@ from ..decision import Decision
 from ..parts import PlanState, StepShape
 from ..weights import AbsorbWeights, absorb_q, apply_W_UV
 from . import dense, indexer, keyset, paged, sdpa, sparse
-from .keyset import KeySetCall
+from .keyset import KeyCache, KeyWindow
 
 if TYPE_CHECKING:
     from ..cache_layout import CacheLayout
@@ -161,6 +161,40 @@ class SparseCall:
     indices: torch.Tensor
 
 
+@dataclass(frozen=True)
+class KeySetCall:
+    """One attention call over key sets (:mod:`mla_backend.ops.keyset` states the semantics):
+    each query token attends to a causal range with a start, index lists into the main cache
+    and into a second cache, with a per-head sink.
+
+    Attributes:
+        attn: the :class:`AbsorbedCall` it generalises (queries, main cache, ``attn.part`` =
+            the plan's whole step, scale, output buffers; ``attn.out`` is [T, H, r + rope]
+            when ``value_is_key``).
+        window: the plan's per-request windows (None: the range starts at 0).
+        causal_range: whether the causal range of the main cache is in the key set.
+        indices: [T, k] int32 / int64 positions of the main cache, -1 = none (or None).
+        extra: the second cache (or None); extra_indices: [T, k2] its entries (or None).
+        sink: [H] float32 per-head sink logits (or None).
+        value_is_key: the value is the whole row (else its first r columns).
+    """
+
+    attn: AbsorbedCall
+    window: KeyWindow | None
+    causal_range: bool = True
+    indices: torch.Tensor | None = None
+    extra: KeyCache | None = None
+    extra_indices: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+    value_is_key: bool = False
+
+    @property
+    def value_width(self) -> int:
+        """dv: r, or r + rope when ``value_is_key``."""
+        a = self.attn
+        return a.q_lat.shape[-1] + (a.q_pe.shape[-1] if self.value_is_key else 0)
+
+
 class KernelImpl:
     """What every kernel implementation provides (see the module doc for the defaults).
 
@@ -278,4 +312,10 @@ class KernelImpl:
     def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
         """(o [T, H, dv] in q's dtype, lse [T, H] float32, the sink included), in
         ``call.attn.out`` / ``call.attn.lse`` when given (see :mod:`mla_backend.ops.keyset`)."""
-        return keyset.keyset_attention(call)
+        a = call.attn
+        o, lse = keyset.keyset_attention(
+            a.q_lat, a.q_pe, a.kv_cache, a.layout, a.part, a.softmax_scale, a.kv_scale,
+            call.window, call.causal_range, call.indices, call.extra, call.extra_indices,
+            call.sink, call.value_is_key,
+        )  # fmt: skip
+        return a.deliver(o, lse)

@@ -1,7 +1,8 @@
 """Absorbed attention over key sets, the one primitive dense MLA, DSA and DeepSeek-V4 are cases
-of: the seam's records (:class:`KeyWindow`, :class:`KeyCache`, :class:`KeySetCall`) and the
-plain-torch implementation (:func:`keyset_attention`), shared by the implementations that have
-no kernel of their own for it and the reference semantics every kernel follows.
+of: its data records (:class:`KeyWindow`, :class:`KeyCache`; the call's record is
+:class:`~mla_backend.ops.base.KeySetCall`) and the plain-torch implementation
+(:func:`keyset_attention`), shared by the implementations that have no kernel of their own for
+it and the reference semantics every kernel follows.
 
 Key set of query token t (request i, logical position p = prefix_i + j), a multiset of cached
 rows (an entry listed twice counts twice):
@@ -40,7 +41,8 @@ import torch
 from .paged import gather_latent
 
 if TYPE_CHECKING:
-    from .base import AbsorbedCall
+    from ..cache_layout import CacheLayout
+    from ..parts import PlanPart
 
 #: fp32 elements of one chunk of scores / gathered rows (bounds the torch path's memory)
 CHUNK_ELEMENTS = 1 << 23
@@ -100,89 +102,78 @@ class KeyCache:
     lens: torch.Tensor
 
 
-@dataclass(frozen=True)
-class KeySetCall:
-    """One attention call over key sets (module docstring).
-
-    Attributes:
-        attn: the :class:`~mla_backend.ops.base.AbsorbedCall` it generalises (queries, main
-            cache, ``attn.part`` = the plan's whole step, scale, output buffers; ``attn.out``
-            is [T, H, r + rope] when ``value_is_key``).
-        window: the plan's windows (None: the range starts at 0).
-        causal_range: whether the causal range of the main cache is in the key set.
-        indices: [T, k] int32 / int64 positions of the main cache, -1 = none (or None).
-        extra: the second cache (or None); extra_indices: [T, k2] its entries (or None).
-        sink: [H] float32 per-head sink logits (or None).
-        value_is_key: the value is the whole row (else its first r columns).
-    """
-
-    attn: AbsorbedCall
-    window: KeyWindow | None
-    causal_range: bool = True
-    indices: torch.Tensor | None = None
-    extra: KeyCache | None = None
-    extra_indices: torch.Tensor | None = None
-    sink: torch.Tensor | None = None
-    value_is_key: bool = False
-
-    @property
-    def value_width(self) -> int:
-        a = self.attn
-        return a.q_lat.shape[-1] + (a.q_pe.shape[-1] if self.value_is_key else 0)
-
-
-def check_keyset_indices(call: KeySetCall) -> None:
+def check_keyset_indices(
+    part: PlanPart,
+    indices: torch.Tensor | None,
+    extra: KeyCache | None,
+    extra_indices: torch.Tensor | None,
+    sink: torch.Tensor | None,
+) -> None:
     """Refuse out-of-range indices and bad sinks with no host read (``torch._assert_async``)."""
-    a, part = call.attn, call.attn.part
-    T = a.q_lat.shape[0]
+    dev = part.kv_lens_t.device
     req = torch.repeat_interleave(
-        torch.arange(part.num_reqs, device=a.q_lat.device), part.new_lens_t.long(), output_size=T
-    )
-    ok = torch.ones((), dtype=torch.bool, device=a.q_lat.device)
-    if call.indices is not None:
+        torch.arange(part.num_reqs, device=dev), part.new_lens_t.long(),
+        output_size=part.num_tokens,
+    )  # fmt: skip
+    ok = torch.ones((), dtype=torch.bool, device=dev)
+    if indices is not None:
         kvl = part.kv_lens_t.long()[req][:, None]
-        idx = call.indices.long()
+        idx = indices.long()
         ok = ok & ((idx >= -1) & (idx < kvl)).all()
-    if call.extra_indices is not None and call.extra is not None:
-        lens = call.extra.lens.long()[req][:, None]
-        e = call.extra_indices.long()
+    if extra_indices is not None and extra is not None:
+        lens = extra.lens.long()[req][:, None]
+        e = extra_indices.long()
         ok = ok & ((e >= -1) & (e < lens)).all()
     torch._assert_async(ok, OUT_OF_RANGE)
-    if call.sink is not None:
-        torch._assert_async(~(torch.isnan(call.sink) | torch.isposinf(call.sink)).any(), BAD_SINK)
+    if sink is not None:
+        torch._assert_async(~(torch.isnan(sink) | torch.isposinf(sink)).any(), BAD_SINK)
 
 
 def _indexed_rows(
-    cache: torch.Tensor, table_row: torch.Tensor, idx: torch.Tensor, call: KeySetCall, D: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    cache: torch.Tensor, table_row: torch.Tensor, idx: torch.Tensor, layout: CacheLayout,
+    kv_scale: torch.Tensor | None, D: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Rows of ``cache`` at logical positions ``idx`` [n, k] through one request's block-table
     row, dequantized to fp32 [n, k, D] (0 where idx < 0), and the validity mask [n, k]."""
-    a = call.attn
     ps, W = cache.shape[1], cache.shape[2]
     valid = idx >= 0
     safe = torch.where(valid, idx.long(), 0)
     page = table_row.long()[safe // ps]
     rows = cache.reshape(-1, W).index_select(0, (page * ps + safe % ps).reshape(-1))
-    kv = a.layout.decode(rows, torch.float32, a.kv_scale).view(*idx.shape, D)
+    kv = layout.decode(rows, torch.float32, kv_scale).view(*idx.shape, D)
     return torch.where(valid[..., None], kv, 0.0), valid  # never-written rows may hold NaN
 
 
-def keyset_attention(call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [T, H, dv] in q's dtype, lse [T, H] float32) of the call (module docstring), request
-    by request, queries in chunks; ``call.attn.out`` / ``.lse`` when given. dv = r, or
-    r + rope when ``value_is_key``."""
-    a = call.attn
-    part = a.part
-    T, H, r = a.q_lat.shape
-    D = r + a.q_pe.shape[-1]
-    dv = call.value_width
-    dev, cd = a.q_lat.device, a.q_lat.dtype
+def keyset_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    part: PlanPart,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,
+    window: KeyWindow | None,
+    causal_range: bool = True,
+    indices: torch.Tensor | None = None,
+    extra: KeyCache | None = None,
+    extra_indices: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    value_is_key: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_lat [T, H, r], q_pe [T, H, rope] over the key sets of the module docstring (``part``:
+    the plan's whole step) -> (o [T, H, dv] in q's dtype, lse [T, H] float32, the sink
+    included), request by request, queries in chunks; dv = r, or r + rope when
+    ``value_is_key``."""
+    T, H, r = q_lat.shape
+    D = r + q_pe.shape[-1]
+    dv = D if value_is_key else r
+    dev, cd = q_lat.device, q_lat.dtype
     o_all = torch.empty(T, H, dv, dtype=cd, device=dev)
     lse_all = torch.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:
-        return a.deliver(o_all, lse_all)
-    check_keyset_indices(call)
-    sink = call.sink.float() if call.sink is not None else None
+        return o_all, lse_all
+    check_keyset_indices(part, indices, extra, extra_indices, sink)
+    sink = sink.float() if sink is not None else None
     for i in range(part.num_reqs):
         n, prefix = part.new_lens[i], part.prefix_lens[i]
         if n == 0:
@@ -190,35 +181,33 @@ def keyset_attention(call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
         L, t_base, step_req = prefix + n, part.cu_new[i], part.reqs[i]
         rows = None
         lo = 0
-        if call.causal_range:
-            if call.window is not None:  # rows before the first token's window are never read
-                lo = max(0, prefix - call.window.sizes[step_req] + 1)
-            rows = gather_latent(a.kv_cache, a.layout, part, i, lo, L, torch.float32, a.kv_scale)
-        width = (L - lo) + sum(x.shape[1] for x in (call.indices, call.extra_indices)
-                               if x is not None)  # fmt: skip
+        if causal_range:
+            if window is not None:  # rows before the first token's window are never read
+                lo = max(0, prefix - window.sizes[step_req] + 1)
+            rows = gather_latent(kv_cache, layout, part, i, lo, L, torch.float32, kv_scale)
+        width = (L - lo) + sum(x.shape[1] for x in (indices, extra_indices) if x is not None)
         chunk = max(1, CHUNK_ELEMENTS // max(1, H * width + width * D))
         for j0 in range(0, n, chunk):
             j1 = min(n, j0 + chunk)
             t0, t1 = t_base + j0, t_base + j1
-            q = torch.cat([a.q_lat[t0:t1], a.q_pe[t0:t1]], -1).float()  # [m, H, D]
+            q = torch.cat([q_lat[t0:t1], q_pe[t0:t1]], -1).float()  # [m, H, D]
             parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scores [m, H, k], values)
             if rows is not None:
                 pos = torch.arange(prefix + j0, prefix + j1, device=dev)
                 keys = torch.arange(lo, L, device=dev)
-                start = call.window.start(step_req, pos) if call.window is not None else 0 * pos
+                start = window.start(step_req, pos) if window is not None else 0 * pos
                 vis = (keys[None, :] >= start[:, None]) & (keys[None, :] <= pos[:, None])
-                s = torch.einsum("mhd,ld->mhl", q, rows) * a.softmax_scale
+                s = torch.einsum("mhd,ld->mhl", q, rows) * softmax_scale
                 s = s.masked_fill(~vis[:, None, :], float("-inf"))
                 parts.append((s, rows[:, :dv]))
             lists = []
-            if call.indices is not None:
-                lists.append((a.kv_cache, part.block_table[i], call.indices[t0:t1]))
-            if call.extra is not None and call.extra_indices is not None:
-                ex = call.extra
-                lists.append((ex.kv_cache, ex.block_table[step_req], call.extra_indices[t0:t1]))
+            if indices is not None:
+                lists.append((kv_cache, part.block_table[i], indices[t0:t1]))
+            if extra is not None and extra_indices is not None:
+                lists.append((extra.kv_cache, extra.block_table[step_req], extra_indices[t0:t1]))
             for cache, table_row, idx in lists:
-                kv, valid = _indexed_rows(cache, table_row, idx, call, D)
-                s = torch.einsum("mhd,mkd->mhk", q, kv) * a.softmax_scale
+                kv, valid = _indexed_rows(cache, table_row, idx, layout, kv_scale, D)
+                s = torch.einsum("mhd,mkd->mhk", q, kv) * softmax_scale
                 s = s.masked_fill(~valid[:, None, :], float("-inf"))
                 parts.append((s, kv[..., :dv]))
             m = torch.full((j1 - j0, H, 1), float("-inf"), device=dev)
@@ -238,4 +227,4 @@ def keyset_attention(call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
                 lsum = lsum + torch.exp(sink[None, :, None] - m)
             o_all[t0:t1] = torch.where(lsum > 0, o / lsum, 0.0).to(cd)
             lse_all[t0:t1] = torch.where(lsum > 0, m + torch.log(lsum), float("-inf")).squeeze(-1)
-    return a.deliver(o_all, lse_all)
+    return o_all, lse_all

@@ -19,7 +19,7 @@ from .jit.keyset_attention import keyset_attn_kernel
 from .ops import _TL_DTYPE, _check_runnable, _interpreting, _launch, _resolve_fp8_mode, _skip_launch
 
 if TYPE_CHECKING:
-    from ..keyset import KeySetCall
+    from ..base import KeySetCall
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -64,7 +64,8 @@ def keyset_attention(call: KeySetCall, *, fp8_mode: str | None = None) -> tuple[
         return a.deliver(o, lse)
     if a.kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
-    torch_keyset.check_keyset_indices(call)
+    torch_keyset.check_keyset_indices(part, call.indices, call.extra, call.extra_indices,
+                                      call.sink)  # fmt: skip
     _check_runnable(dev, keyset_attn_kernel)
     lay = a.layout
     ds = lay.kind == "fp8_ds_mla"
