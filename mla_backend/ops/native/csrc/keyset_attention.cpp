@@ -161,7 +161,7 @@ void run_keyset_item(const Params& P, const KeySet& S, const KeySetTokens& tk, c
       E.zero_q(m);
       lim[m] = 0;
     }
-    mrow[m] = kNegInf;
+    mrow[m] = -std::numeric_limits<float>::infinity();
     lrow[m] = 0.0f;
   }
   E.start_item(rows_pad);
@@ -180,7 +180,7 @@ void run_keyset_item(const Params& P, const KeySet& S, const KeySetTokens& tk, c
   const int64_t r = P.r;
   for (int m = 0; m < rows; ++m) {
     const int64_t h = it.row0 + m;
-    float inv = 0.0f, lse = kNegInf;
+    float inv = 0.0f, lse = -std::numeric_limits<float>::infinity();
     if (lrow[m] > 0.0f) {
       inv = P.out_scale / lrow[m];
       lse = mrow[m] + std::log(lrow[m]);
