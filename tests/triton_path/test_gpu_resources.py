@@ -33,6 +33,9 @@ DEFAULTS = [
     res.Config(128, 1, "bf16", op="sparse"),
     res.Config(128, 1, "fp8_ds_mla", op="sparse"),
     res.Config(64, 1, "fp8", op="indexer"),
+    # the key-set attention in DeepSeek-V4's shape (64 / 128 heads, bf16 and fp8 rows)
+    res.Config(64, 1, "bf16", op="keyset"),
+    res.Config(128, 1, "fp8", op="keyset"),
 ]
 #: fp32 queries (tests, fp32 models) of the 512-wide latent at 64 rows: they must fit the shared
 #: memory (spills are accepted there); the first two failed to launch on an H200 before kv_block
