@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import mla_backend as mb
 from mla_backend.config import current
 from mla_backend.ops import KeyCache, native
+from mla_backend.ops.native import ops as native_ops
 from mla_backend.selection import get_impl
 from mla_backend.testing.cases import KeySetCase, make_keyset_case
 from mla_backend.testing.keyset_checks import check_keyset
@@ -296,12 +297,12 @@ def test_native_names_a_bad_window_and_page(isa):
     T = c.batch.num_tokens
     args = (d.q_lat, d.q_pe, c.kv_cache, c.batch.block_table, cu, kvl, 0.3)
     with pytest.raises(RuntimeError, match=r"window\[2\] = 0 must be >= 1"):
-        native.keyset_attention(*args, window=torch.tensor([3, 3, 0, 3, 3], dtype=torch.int32),
+        native_ops.keyset_attention(*args, window=torch.tensor([3, 3, 0, 3, 3], dtype=torch.int32),
                                 isa=isa)  # fmt: skip
     bt2 = d.extra.block_table.clone()
     bt2[0, 0] = 10_000
     with pytest.raises(RuntimeError, match=r"second block_table\[0, 0\] = 10000"):
-        native.keyset_attention(*args, cache2=d.extra.kv_cache, block_table2=bt2,
+        native_ops.keyset_attention(*args, cache2=d.extra.kv_cache, block_table2=bt2,
                                 lens2=d.extra.lens, indices2=torch.zeros(T, 1, dtype=torch.int32),
                                 isa=isa)  # fmt: skip
 
