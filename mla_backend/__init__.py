@@ -3,7 +3,8 @@
 Cache only the latent ``[c_kv ; k_pe]``; absorb ``W_UK`` into the query and apply ``W_UV``
 after attention for decode and short extends; decompress to plain MHA for long fresh
 prefills; choose per request with a cost-model policy; DeepSeek Sparse Attention (the lightning
-indexer's top-k and the sparse absorbed attention, :mod:`mla_backend.sparse`). Engine-agnostic:
+indexer's top-k and the sparse absorbed attention, :mod:`mla_backend.sparse`); the attention
+over key sets they and DeepSeek-V4 are cases of (:mod:`mla_backend.keyset`). Engine-agnostic:
 imports torch (and triton where installed), never vLLM or SGLang.
 """
 
@@ -12,6 +13,7 @@ from .batch import MLABatch, Phase
 from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .index_cache import IndexCacheLayout, IndexerDims
+from .keyset import KeyCache, keyset_attention
 from .merge import merge_attention_shards, merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
@@ -34,6 +36,7 @@ __all__ = [
     "AbsorbWeights",
     "IndexCacheLayout",
     "IndexerDims",
+    "KeyCache",
     "MLAAttention",
     "MLABatch",
     "MLADims",
@@ -51,6 +54,7 @@ __all__ = [
     "fp8_bmm",
     "indexer_logits",
     "indexer_topk",
+    "keyset_attention",
     "merge_attention_shards",
     "merge_attention_states",
     "normal_attention",

@@ -17,14 +17,14 @@ query counts; the lengths may change) instead of making new ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .batch import MLABatch, Phase
 from .dims import MLADims
 from .index_cache import IndexerDims
-from .ops import KernelImpl
+from .ops import KernelImpl, KeyWindow
 from .parts import PlanPart, PlanState, SparsePart, StepShape, WorkPartition
 from .policy import PathChoice, Policy
 from .selection import get_impl, resolve_policy
@@ -49,6 +49,9 @@ class MLAPlan:
         sparse: a DSA step's per-token data (:class:`~mla_backend.parts.SparsePart`: made when
             :func:`plan` is given ``indexer``), read by the indexer and the sparse attention
             (:mod:`mla_backend.sparse`); None otherwise.
+        window: per-request sliding windows of the key-set attention
+            (:class:`~mla_backend.ops.KeyWindow`: made when :func:`plan` is given ``window``);
+            None: causal ranges start at 0.
     """
 
     dims: MLADims
@@ -62,6 +65,7 @@ class MLAPlan:
     normal: PlanPart | None
     max_page_id: int
     sparse: SparsePart | None = None
+    window: KeyWindow | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -233,6 +237,7 @@ def plan(
     impl: str | KernelImpl | None = None,
     *,
     indexer: IndexerDims | None = None,
+    window: int | Sequence[int] | None = None,
 ) -> MLAPlan:
     """Plan one step: the policy's decision, the requests of each path and the kernels' index
     tensors. Call once per step; every layer's attention call takes the result.
@@ -253,6 +258,9 @@ def plan(
             (``MLAPlan.sparse``) and the policy's choice says which requests need the sparse
             path (``PathChoice.use_sparse``: those whose context exceeds ``indexer.topk``, where
             the selection matters) and prices the dense paths against it for the others.
+        window: sliding-window size (an int >= 1, or one per request) of the key-set
+            attention's causal ranges (:func:`mla_backend.keyset_attention`): a query token at
+            position p sees ``max(0, p - window + 1) .. p`` (``MLAPlan.window``).
     Returns:
         the step's :class:`MLAPlan`.
     Raises:
@@ -270,7 +278,10 @@ def plan(
     policy = policy if policy is not None else resolve_policy()
     extra = {"indexer": indexer} if indexer is not None else {}
     choice = policy.choose(batch, dims, kernels.cost_profile(dev), **extra)
-    return _build(batch, dims, choice, kernels, dev, indexer)
+    built = _build(batch, dims, choice, kernels, dev, indexer)
+    if window is None:
+        return built
+    return replace(built, window=KeyWindow.make(window, batch.num_reqs, dev))
 
 
 def _sparse_part(batch: MLABatch, indexer: IndexerDims, dev: torch.device) -> SparsePart:

@@ -17,7 +17,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
 3. the implementations, sibling packages ``ops/torch`` (also the code the others delegate to),
    ``ops/native``, ``ops/triton``, ``ops/flashinfer`` (and any new one under ``ops/``);
 4. selection (registers the implementations with lazy loaders, resolves what runs) and plan;
-5. entry points: checks, normal, attention, sparse;
+5. entry points: checks, normal, attention, sparse, keyset;
 6. the package itself, ``__main__`` and ``testing/``.
 """
 
@@ -35,7 +35,7 @@ CORE = (
     "config", "decision",
 )
 SELECTION = ("selection", "plan")
-ENTRY = ("checks", "normal", "attention", "sparse")
+ENTRY = ("checks", "normal", "attention", "sparse", "keyset")
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: the implementation every other one may delegate seam methods to (``torch_default``)

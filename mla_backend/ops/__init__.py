@@ -22,6 +22,9 @@ from .base import (
     IndexerCall,
     IndexKeyWrite,
     KernelImpl,
+    KeyCache,
+    KeySetCall,
+    KeyWindow,
     LatentWrite,
     SparseCall,
 )  # fmt: skip
@@ -29,5 +32,5 @@ from .registry import IMPLS
 
 __all__ = [
     "IMPLS", "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl",
-    "LatentWrite", "SparseCall",
+    "KeyCache", "KeySetCall", "KeyWindow", "LatentWrite", "SparseCall",
 ]  # fmt: skip

@@ -6,8 +6,9 @@ One module per op, named as the other implementations name theirs: :mod:`.cache_
 latent cache write), :mod:`.absorbed_attention` (MQA over the latent rows), :mod:`.paged` (the
 normal path's reads of the latent cache), :mod:`.decompress` (latent rows -> per-head K / V),
 :mod:`.mha` (MHA with its log-sum-exp over torch's fused SDPA), :mod:`.indexer` (DSA's index-key
-write, lightning-indexer logits and top-k) and :mod:`.sparse_attention` (DSA's sparse absorbed
-attention); :mod:`.kernels` holds :class:`Kernels` over them.
+write, lightning-indexer logits and top-k), :mod:`.sparse_attention` (DSA's sparse absorbed
+attention) and :mod:`.keyset_attention` (absorbed attention over key sets: windows, index lists
+into one or two caches, sinks); :mod:`.kernels` holds :class:`Kernels` over them.
 """
 
 from __future__ import annotations

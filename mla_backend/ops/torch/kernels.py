@@ -18,10 +18,19 @@ from ..base import (
     IndexerCall,
     IndexKeyWrite,
     KernelImpl,
+    KeySetCall,
     LatentWrite,
     SparseCall,
 )  # fmt: skip
-from . import absorbed_attention, decompress, indexer, mha, paged, sparse_attention
+from . import (
+    absorbed_attention,
+    decompress,
+    indexer,
+    keyset_attention,
+    mha,
+    paged,
+    sparse_attention,
+)  # fmt: skip
 from .cache_write import write_latent
 
 if TYPE_CHECKING:
@@ -95,6 +104,9 @@ class Kernels(KernelImpl):
 
     def sparse_absorbed_attention(self, call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_attention.sparse_absorbed_attention(call)
+
+    def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return keyset_attention.keyset_attention(call)
 
 
 #: the torch implementation with its default tuning: the instance delegations run on
