@@ -19,7 +19,9 @@ from ..torch import keyset_attention as torch_keyset
 from . import dsa
 from .jit import heuristics as hx
 from .jit.keyset_attention import keyset_attn_kernel
-from .ops import _TL_DTYPE, _check_runnable, _interpreting, _launch, _resolve_fp8_mode, _skip_launch
+from .ops.checks import TL_DTYPE, check_runnable, skip_launch
+from .ops.fp8_decode import resolve_fp8_mode
+from .ops.launch import interpreting, launch
 
 if TYPE_CHECKING:
     from ..base import KeySetCall
@@ -63,19 +65,19 @@ def keyset_attention(call: KeySetCall, *, fp8_mode: str | None = None) -> tuple[
     dev, cd = q_lat.device, q_lat.dtype
     o = torch.empty(T, H, r, dtype=cd, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
-    if T == 0 or H == 0 or _skip_launch(q_lat):
+    if T == 0 or H == 0 or skip_launch(q_lat):
         return a.deliver(o, lse)
     if a.kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
     torch_keyset.check_keyset_indices(part, call.indices, call.extra, call.extra_indices,
                                       call.sink)  # fmt: skip
-    _check_runnable(dev, keyset_attn_kernel)
+    check_runnable(dev, keyset_attn_kernel)
     lay = a.layout
     ds = lay.kind == "fp8_ds_mla"
-    bits = lay.kind != "plain" and _resolve_fp8_mode(fp8_mode, dev) == "bits"
+    bits = lay.kind != "plain" and resolve_fp8_mode(fp8_mode, dev) == "bits"
     chunk, n_chunks, block_h, block_n = dsa.sparse_tiles(r, H, cd == torch.float32,
                                                          lay.kind != "plain")  # fmt: skip
-    round_bf16 = _interpreting() and cd == torch.bfloat16
+    round_bf16 = interpreting() and cd == torch.bfloat16
     dot = torch.float32 if round_bf16 else cd
     has_scale = a.kv_scale is not None and not ds
 
@@ -96,7 +98,7 @@ def keyset_attention(call: KeySetCall, *, fp8_mode: str | None = None) -> tuple[
     lens2 = ex.lens.int() if ex is not None else part.kv_lens_t
     sink = call.sink.float().contiguous() if call.sink is not None else lse
     kv_scale = a.kv_scale.float().reshape(()) if has_scale else lse
-    _launch(keyset_attn_kernel, (T, triton.cdiv(H, block_h)),
+    launch(keyset_attn_kernel, (T, triton.cdiv(H, block_h)),
         q_lat, q_pe if rope else q_lat, view(a.kv_cache), kv2, part.block_table, bt2,
         part.kv_lens_t, lens2, req, pos, start, idx, idx2, sink, kv_scale, o, lse,
         H, r, rope, a.kv_cache.shape[1], kv2.shape[1],
@@ -110,8 +112,8 @@ def keyset_attention(call: KeySetCall, *, fp8_mode: str | None = None) -> tuple[
         lse.stride(1),
         BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk, NUM_CHUNKS=n_chunks,
         BLOCK_ROPE=hx.dim_block(rope), HAS_ROPE=rope > 0, HAS_SCALE=has_scale, FP8_BITS=bits,
-        DOT_DTYPE=_TL_DTYPE[dot], P_DTYPE=_TL_DTYPE[cd], IEEE=dot == torch.float32,
-        ROUND_BF16=round_bf16, ROUND_OUT=round_bf16, DS=ds, ROPE_DTYPE=_TL_DTYPE[cd],
+        DOT_DTYPE=TL_DTYPE[dot], P_DTYPE=TL_DTYPE[cd], IEEE=dot == torch.float32,
+        ROUND_BF16=round_bf16, ROUND_OUT=round_bf16, DS=ds, ROPE_DTYPE=TL_DTYPE[cd],
         RANGE=call.causal_range, HAS_IDX=call.indices is not None,
         HAS_IDX2=call.extra_indices is not None, HAS_SINK=call.sink is not None,
         num_warps=dsa.SPARSE_WARPS if r >= 256 else 4, num_stages=dsa.SPARSE_STAGES,
