@@ -19,7 +19,9 @@ MMA, where a local-memory load or store (``LDL`` / ``STL``) is a spill on the ho
 DSA ops (decode, topk 2048): ``sparse`` records ``mb.sparse_absorbed_attention`` over the
 ``cache`` latent layout (the loop over index blocks is its kv loop); ``indexer`` records the
 logits kernel of ``mb.indexer_topk`` (64 index heads x 128): cache ``fp8`` is vLLM's fp8 index
-cache with e4m3 queries, ``bf16`` a bf16 index cache with bf16 queries.
+cache with e4m3 queries, ``bf16`` a bf16 index cache with bf16 queries. ``keyset`` records
+``mb.keyset_attention`` in DeepSeek-V4's shape: value = key over the 512-wide row (448 + rope
+64), a window of 128 rows, 512 entries of a second cache, a sink (cache ``bf16`` or ``fp8``).
 
 Each arch's configs compile in a child process (one for all of them, a fresh one after a
 crash): a compile that aborts the process (an LLVM error) is reported as that config's row and
@@ -54,7 +56,10 @@ import torch
 R, ROPE, PAGE = 512, 64, 64
 CACHES = ("bf16", "fp16", "fp8", "fp8_ds_mla")
 #: DSA's ops with an MMA loop (``Config.op``) -> the kernel whose launch is compiled
-DSA_KERNELS = {"sparse": "sparse_attn_kernel", "indexer": "indexer_logits_kernel"}
+DSA_KERNELS = {"sparse": "sparse_attn_kernel", "indexer": "indexer_logits_kernel",
+               "keyset": "keyset_attn_kernel"}
+#: the key-set attention's V4 shape: window, compressed entries attended per token
+V4_WINDOW, V4_ENTRIES = 128, 512
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 #: Hopper's and Blackwell's shared memory per SM available to CTAs (bytes; 227 KB per CTA)
 SMEM_PER_SM = {90: 228 * 1024, 100: 228 * 1024}
@@ -194,6 +199,8 @@ def _record_dsa(config: Config, arch: int | None = None) -> object:
             q_dt = mb.FP8_DTYPE if fp8 else torch.bfloat16
             mb.indexer_topk(torch.zeros(2, INDEX_HEADS, INDEX_DIM).to(q_dt),
                             torch.zeros(2, INDEX_HEADS), index_cache, plan, TOPK)
+        elif config.op == "keyset":
+            _launch_keyset(H, n, config.cache, batch, Kernels(**dict(config.knobs)))
         else:
             kv_scale = None
             if config.cache == "fp8_ds_mla":
@@ -213,6 +220,25 @@ def _record_dsa(config: Config, arch: int | None = None) -> object:
     if len(found) != 1:
         raise RuntimeError(f"expected one {DSA_KERNELS[config.op]} launch, recorded {launches}")
     return found[0]
+
+
+def _launch_keyset(H: int, n: int, cache: str, batch: object, kernels: object) -> None:
+    """DeepSeek-V4's key-set call (:data:`V4_WINDOW`, :data:`V4_ENTRIES`) on ``n`` pages of
+    each cache, under the caller's launch recording."""
+    import mla_backend as mb
+
+    r = R - 64  # V4: 448 + rope 64 = the 512-wide row, value = key
+    plan = mb.plan(batch, mb.MLADims(H, r, 128, 64, R), mb.Policy("absorb"),
+                   device=torch.device("cpu"), impl=kernels, window=V4_WINDOW)
+    dt = mb.FP8_DTYPE if cache == "fp8" else torch.bfloat16
+    kv_scale = torch.tensor(0.5) if cache == "fp8" else None
+    rows = torch.zeros(n, PAGE, r + 64, dtype=dt)
+    extra = mb.KeyCache(torch.zeros(n, PAGE, r + 64, dtype=dt), batch.block_table,
+                        torch.full((2,), V4_ENTRIES, dtype=torch.int32))
+    mb.keyset_attention(torch.zeros(2, H, r, dtype=torch.bfloat16),
+                        torch.zeros(2, H, 64, dtype=torch.bfloat16), rows, plan, 0.1, kv_scale,
+                        extra=extra, extra_indices=torch.zeros(2, V4_ENTRIES, dtype=torch.int32),
+                        sink=torch.zeros(H), value_is_key=True)
 
 
 def _fn(kernel: object) -> object:

@@ -4,7 +4,8 @@ Cache only the latent ``[c_kv ; k_pe]``; absorb ``W_UK`` into the query and appl
 attention for decode and short extends; decompress to plain MHA for long fresh prefills; choose
 per request with a cost-model policy; DeepSeek Sparse Attention (the lightning indexer's top-k
 and the sparse absorbed attention, :mod:`mla_backend.sparse`; the sparse MHA,
-:mod:`mla_backend.sparse_normal`; a DSA layer's routed call, :mod:`mla_backend.sparse_layer`).
+:mod:`mla_backend.sparse_normal`; a DSA layer's routed call, :mod:`mla_backend.sparse_layer`);
+the attention over key sets they and DeepSeek-V4 are cases of (:mod:`mla_backend.keyset`).
 Engine-agnostic: imports torch (and triton where installed), never vLLM or SGLang.
 """
 
@@ -13,6 +14,7 @@ from .batch import MLABatch, Phase
 from .dims import MLADims, dims_from, yarn_mscale, yarn_softmax_scale
 from .fp8 import FP8_DTYPE, dequantize_fp8, fp8_bmm, quantize_fp8
 from .index_cache import IndexCacheLayout, IndexerDims
+from .keyset import KeyCache, keyset_attention
 from .merge import merge_attention_shards, merge_attention_states
 from .parts import PlanPart, WorkPartition
 from .plan import MLAPlan, plan
@@ -37,6 +39,7 @@ __all__ = [
     "AbsorbWeights",
     "IndexCacheLayout",
     "IndexerDims",
+    "KeyCache",
     "MLAAttention",
     "MLABatch",
     "MLADims",
@@ -54,6 +57,7 @@ __all__ = [
     "fp8_bmm",
     "indexer_logits",
     "indexer_topk",
+    "keyset_attention",
     "merge_attention_shards",
     "merge_attention_states",
     "normal_attention",

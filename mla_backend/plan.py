@@ -17,14 +17,14 @@ query counts; the lengths may change) instead of making new ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .batch import MLABatch, Phase
 from .dims import MLADims
 from .index_cache import IndexerDims
-from .ops import KernelImpl
+from .ops import KernelImpl, KeyWindow
 from .parts import PlanPart, PlanState, SparsePart, StepShape, WorkPartition
 from .policy import PathChoice, Policy
 from .selection import get_impl, resolve_policy
@@ -53,6 +53,9 @@ class MLAPlan:
             (``choice.routes``: :data:`~mla_backend.policy.DSA_ROUTES`), each route's
             ``(PlanPart, SparsePart)`` (the step's own where one route serves every request),
             executed by :func:`mla_backend.sparse_layer.sparse_mla_attention`; None otherwise.
+        window: per-request sliding windows of the key-set attention
+            (:class:`~mla_backend.ops.KeyWindow`: made when :func:`plan` is given ``window``);
+            None: causal ranges start at 0.
     """
 
     dims: MLADims
@@ -67,6 +70,7 @@ class MLAPlan:
     max_page_id: int
     sparse: SparsePart | None = None
     dsa_routes: dict[str, tuple[PlanPart, SparsePart]] | None = None
+    window: KeyWindow | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -244,6 +248,7 @@ def plan(
     impl: str | KernelImpl | None = None,
     *,
     indexer: IndexerDims | None = None,
+    window: int | Sequence[int] | None = None,
 ) -> MLAPlan:
     """Plan one step: the policy's decision, the requests of each path and the kernels' index
     tensors. Call once per step; every layer's attention call takes the result.
@@ -264,6 +269,9 @@ def plan(
             (``MLAPlan.sparse``) and the policy's choice says which requests need the sparse
             path (``PathChoice.use_sparse``: those whose context exceeds ``indexer.topk``, where
             the selection matters) and prices the dense paths against it for the others.
+        window: sliding-window size (an int >= 1, or one per request) of the key-set
+            attention's causal ranges (:func:`mla_backend.keyset_attention`): a query token at
+            position p sees ``max(0, p - window + 1) .. p`` (``MLAPlan.window``).
     Returns:
         the step's :class:`MLAPlan`.
     Raises:
@@ -281,7 +289,10 @@ def plan(
     policy = policy if policy is not None else resolve_policy()
     extra = {"indexer": indexer} if indexer is not None else {}
     choice = policy.choose(batch, dims, kernels.cost_profile(dev), **extra)
-    return _build(batch, dims, choice, kernels, dev, indexer)
+    built = _build(batch, dims, choice, kernels, dev, indexer)
+    if window is None:
+        return built
+    return replace(built, window=KeyWindow.make(window, batch.num_reqs, dev))
 
 
 def _sparse_part(

@@ -18,7 +18,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
    ``ops/native``, ``ops/triton``, ``ops/flashinfer`` (and any new one under ``ops/``);
 4. selection (registers the implementations with lazy loaders, resolves what runs) and plan;
 5. entry points: checks, normal, attention, sparse, sparse_normal (DSA's sparse MHA path),
-   sparse_layer (a DSA layer's routed call, over sparse and sparse_normal);
+   sparse_layer (a DSA layer's routed call, over sparse and sparse_normal), keyset;
 6. the package itself, ``__main__`` and ``testing/``.
 """
 
@@ -36,7 +36,7 @@ CORE = (
     "config", "decision",
 )
 SELECTION = ("selection", "plan")
-ENTRY = ("checks", "normal", "attention", "sparse", "sparse_normal", "sparse_layer")
+ENTRY = ("checks", "normal", "attention", "sparse", "sparse_normal", "sparse_layer", "keyset")
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: the implementation every other one may delegate seam methods to (``torch_default``)

@@ -22,6 +22,9 @@ from .base import (
     IndexerCall,
     IndexKeyWrite,
     KernelImpl,
+    KeyCache,
+    KeySetCall,
+    KeyWindow,
     LatentWrite,
     MaskedMHACall,
     SparseCall,
@@ -30,5 +33,5 @@ from .registry import IMPLS
 
 __all__ = [
     "IMPLS", "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl",
-    "LatentWrite", "MaskedMHACall", "SparseCall",
+    "KeyCache", "KeySetCall", "KeyWindow", "LatentWrite", "MaskedMHACall", "SparseCall",
 ]  # fmt: skip

@@ -8,9 +8,10 @@ delegates it explicitly to the torch implementation's (``m = torch_default("m")`
 defined, naming the method (:func:`check_declared`), and :func:`served_by` says who serves
 what (the registry, :mod:`mla_backend.ops.registry`, and ``python -m mla_backend info`` show
 it). The per-call methods take one record each (:class:`LatentWrite`, :class:`AbsorbedCall`,
-:class:`IndexKeyWrite`, :class:`IndexerCall`, :class:`SparseCall`, :class:`MaskedMHACall`),
-validated once at the public entry points (:mod:`mla_backend.attention`,
-:mod:`mla_backend.sparse`, :mod:`mla_backend.sparse_normal`) and handed down as they are to each
+:class:`IndexKeyWrite`, :class:`IndexerCall`, :class:`SparseCall`, :class:`MaskedMHACall`,
+:class:`KeySetCall` with :class:`KeyWindow` / :class:`KeyCache`), validated once at the public
+entry points (:mod:`mla_backend.attention`, :mod:`mla_backend.sparse`,
+:mod:`mla_backend.sparse_normal`, :mod:`mla_backend.keyset`) and handed down as they are to each
 implementation's op wrappers, so no layer retypes their arguments. Per-plan
 state an implementation keeps (a schedule, a planned third-party wrapper) is a
 :class:`~mla_backend.parts.PlanState`, stored in the plan's
@@ -24,6 +25,7 @@ split, no plan state, identity weight preparation, the generic CPU / GPU cost pr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -40,8 +42,9 @@ if TYPE_CHECKING:
     from ..parts import PlanPart, SparsePart
 
 __all__ = [
-    "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "LatentWrite",
-    "MaskedMHACall", "PlanState", "SparseCall", "StepShape", "check_declared", "served_by",
+    "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "KeyCache",
+    "KeySetCall", "KeyWindow", "LatentWrite", "MaskedMHACall", "PlanState", "SparseCall",
+    "StepShape", "check_declared", "served_by",
 ]  # fmt: skip
 
 #: the seam's per-call methods, in the order ``info`` lists them: every implementation serves
@@ -49,7 +52,7 @@ __all__ = [
 SEAM_METHODS: tuple[str, ...] = (
     "absorb_q", "apply_W_UV", "write_latent", "absorbed_attention", "gather_latent",
     "decompress", "attention_with_lse", "write_index_keys", "indexer_logits", "indexer_topk",
-    "sparse_absorbed_attention", "masked_attention_with_lse",
+    "sparse_absorbed_attention", "masked_attention_with_lse", "keyset_attention",
 )  # fmt: skip
 #: the attribute a delegated method carries: the implementation whose code serves it
 DELEGATE_ATTR = "__seam_delegate__"
@@ -189,6 +192,88 @@ class MaskedMHACall:
     v: torch.Tensor
     mask: torch.Tensor
     scale: float
+@dataclass(frozen=True, eq=False)
+class KeyWindow:
+    """Per-request sliding windows of a step (made by :func:`mla_backend.plan` from its
+    ``window`` argument): query token at position p of request i sees the causal range
+    ``max(0, p - sizes[i] + 1) .. p``.
+
+    Attributes:
+        sizes: per request of the step, the window size (>= 1 tokens; host ints).
+        sizes_t: [B] int32 on the plan's device, the same values.
+    """
+
+    sizes: tuple[int, ...]
+    sizes_t: torch.Tensor
+
+    @staticmethod
+    def make(window: int | Sequence[int], num_reqs: int, device: torch.device) -> KeyWindow:
+        """Validate ``window`` (one int >= 1 for every request, or one per request) and make
+        the record."""
+        sizes = [window] * num_reqs if isinstance(window, int) else list(window)
+        bad = [w for w in sizes if isinstance(w, bool) or not isinstance(w, int) or w < 1]
+        if isinstance(window, bool) or bad or len(sizes) != num_reqs:
+            raise ValueError(
+                f"window={window!r} is not supported: an int >= 1 (tokens each query token sees, "
+                f"itself included) or a sequence of {num_reqs} of them, one per request"
+            )
+        return KeyWindow(tuple(sizes), torch.tensor(sizes, dtype=torch.int32, device=device))
+
+    def start(self, req: int, pos: torch.Tensor) -> torch.Tensor:
+        """First visible position of query tokens at positions ``pos`` of request ``req``."""
+        return (pos - self.sizes[req] + 1).clamp(min=0)
+
+
+@dataclass(frozen=True)
+class KeyCache:
+    """A second paged cache of a key-set call (V4: the compressed rows), in the main cache's
+    row format (same dtype, width and per-tensor kv scale), with its own pages.
+
+    Attributes:
+        kv_cache: [num_pages2, page_size2, W] (W, dtype: the main cache's).
+        block_table: [B, max_pages2] int32 / int64: physical page of each logical page of the
+            step's requests (B = the plan's requests, in its order).
+        lens: [B] int32 / int64: entries each request has in this cache.
+    """
+
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class KeySetCall:
+    """One attention call over key sets (:mod:`mla_backend.ops.torch.keyset_attention` states
+    the semantics): each query token attends to a causal range with a start, index lists into
+    the main cache and into a second cache (each distinct position of a cache counted once),
+    with a per-head sink.
+
+    Attributes:
+        attn: the :class:`AbsorbedCall` it generalises (queries, main cache, ``attn.part`` =
+            the plan's whole step, scale, output buffers; ``attn.out`` is [T, H, r + rope]
+            when ``value_is_key``).
+        window: the plan's per-request windows (None: the range starts at 0).
+        causal_range: whether the causal range of the main cache is in the key set.
+        indices: [T, k] int32 / int64 positions of the main cache, -1 = none (or None).
+        extra: the second cache (or None); extra_indices: [T, k2] its entries (or None).
+        sink: [H] float32 per-head sink logits (or None).
+        value_is_key: the value is the whole row (else its first r columns).
+    """
+
+    attn: AbsorbedCall
+    window: KeyWindow | None
+    causal_range: bool = True
+    indices: torch.Tensor | None = None
+    extra: KeyCache | None = None
+    extra_indices: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+    value_is_key: bool = False
+
+    @property
+    def value_width(self) -> int:
+        """dv: r, or r + rope when ``value_is_key``."""
+        a = self.attn
+        return a.q_lat.shape[-1] + (a.q_pe.shape[-1] if self.value_is_key else 0)
 
 
 def _abstract_in(cls: type) -> list[str]:
@@ -233,7 +318,6 @@ class KernelImpl(ABC):
     """What every kernel implementation provides: the seam methods (:data:`SEAM_METHODS`,
     abstract: each implementation declares every one, see the module doc) and the plan-time
     hooks (neutral defaults).
-
     Tuning knobs are keyword arguments of an implementation's constructor; no call reads tensor
     data on the host.
     """
@@ -353,3 +437,9 @@ class KernelImpl(ABC):
     def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
         """DSA's sparse MHA: (o [H, Lq, Dv] in q's dtype, lse [H, Lq] float32; o = 0, lse = -inf
         for a row whose mask is empty) (see :class:`MaskedMHACall`)."""
+    # ---- per layer: attention over key sets (dense MLA, DSA, DeepSeek-V4 as cases) ---------
+    @abstractmethod
+    def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o [T, H, dv] in q's dtype, lse [T, H] float32, the sink included), in
+        ``call.attn.out`` / ``call.attn.lse`` when given (see :class:`KeySetCall`;
+        :mod:`mla_backend.ops.torch.keyset_attention` states the semantics)."""

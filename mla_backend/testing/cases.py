@@ -257,3 +257,76 @@ def make_dsa_case(
     q_I = (q * 8).to(qdt) if qdt == mb.FP8_DTYPE else q.to(qdt)
     weights = torch.randn(T, Hi, generator=g) / Hi**0.5
     return DsaCase(case, indexer, index_cache, keys, q_I, weights)
+
+
+# ---- attention over key sets: a second paged cache next to the latent cache ----------------
+@dataclass
+class KeySetCase:
+    """A :func:`make_case` problem plus a second cache (its own shuffled pages, page size and
+    block table; never-written rows NaN / 0xFF), the rows both caches hold and absorbed-form
+    queries."""
+
+    case: Case
+    extra: mb.ops.KeyCache
+    rows: list[torch.Tensor]  # per request [L_i, r + rope] float32, as the main cache holds them
+    rows2: list[torch.Tensor]  # per request [L2_i, r + rope] float32, as the second cache holds
+    q_lat: torch.Tensor  # [T, H, r]
+    q_pe: torch.Tensor  # [T, H, rope]
+
+    def plan(self, impl: object = None, window: object = None) -> mb.MLAPlan:
+        return mb.plan(self.case.batch, self.case.dims, mb.Policy("absorb"), impl=impl,
+                       window=window)  # fmt: skip
+
+
+def make_keyset_case(
+    dims: mb.MLADims,
+    prefix_lens: list[int],
+    new_lens: list[int],
+    page_size: int,
+    lens2: list[int],
+    page_size2: int,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> KeySetCase:
+    """The main cache of :func:`make_case` (written by the torch implementation) and a second
+    cache of ``lens2[i]`` rows per request in the same row format, written the same way."""
+    case = make_case(dims, prefix_lens, new_lens, page_size, dtype=dtype, cache_dtype=cache_dtype,
+                     seed=seed, impl="torch")  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 91)
+    rng = random.Random(seed + 91)
+    r, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
+    cdt = case.kv_cache.dtype
+    need = [-(-n // page_size2) for n in lens2]
+    num_pages = sum(need) + 2
+    perm = list(range(1, num_pages))
+    rng.shuffle(perm)
+    table = torch.zeros(len(lens2), max(need + [1]) + 1, dtype=torch.int32)
+    if cdt == torch.uint8:
+        cache = torch.full((num_pages, page_size2, case.kv_cache.shape[2]), 0xFF, dtype=cdt)
+    else:
+        cache = torch.full((num_pages, page_size2, r + rope), float("nan")).to(cdt)
+    rows2, k = [], 0
+    for i, n in enumerate(lens2):
+        table[i, : need[i]] = torch.tensor(perm[k : k + need[i]], dtype=torch.int32)
+        k += need[i]
+        c = torch.randn(n, r, generator=g).to(dtype)
+        kp = torch.randn(n, rope, generator=g).to(dtype)
+        slots = torch.tensor(
+            [int(table[i, e // page_size2]) * page_size2 + e % page_size2 for e in range(n)],
+            dtype=torch.long,
+        )
+        mb.write_latent(cache, c, kp, slots, case.kv_scale, impl="torch")
+        if case.kv_scale is not None:
+            stored = torch.cat([c, kp], -1).float() / case.kv_scale
+            deq = stored.clamp(-448, 448).to(mb.FP8_DTYPE).float() * case.kv_scale
+            c, kp = deq[:, :r], deq[:, r:]
+        if cdt == torch.uint8:
+            c = ds_mla_dequantized(c)
+        rows2.append(torch.cat([c.float(), kp.float()], -1))
+    extra = mb.ops.KeyCache(cache, table, torch.tensor(lens2, dtype=torch.int32))
+    rows = [torch.cat([c.float(), kp.float()], -1) for c, kp in zip(case.c_kv, case.k_pe)]
+    T, H = sum(new_lens), dims.num_heads
+    q_lat = torch.randn(T, H, r, generator=g).to(dtype)
+    q_pe = torch.randn(T, H, rope, generator=g).to(dtype)
+    return KeySetCase(case, extra, rows, rows2, q_lat, q_pe)

@@ -299,4 +299,71 @@ def reference_sparse_mla_attention(
                 lse[row] = torch.logsumexp(s, -1)
                 o[row] = torch.einsum("hl,hlv->hv", torch.softmax(s, -1), v)
             row += 1
+# ---- attention over key sets (mla_backend.keyset) --------------------------------------------
+def reference_keyset_attention(
+    q: torch.Tensor,
+    rows: list[torch.Tensor],
+    new_lens: list[int],
+    scale: float,
+    *,
+    causal_range: bool = True,
+    windows: list[int] | None = None,
+    indices: torch.Tensor | None = None,
+    rows2: list[torch.Tensor] | None = None,
+    extra_indices: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    value_width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key-set attention in float64, token by token: each query token's key set written
+    out as Python sets of positions (its window's positions and its indices into ``rows``, then
+    its extra indices into ``rows2``; -1 entries skipped, each distinct position of a cache
+    once), one softmax over those keys plus the sink (a logit with value 0). A token with no
+    key gets o = 0 and lse = sink (-inf without one).
+
+    Args:
+        q: [T, H, D] the whole query (``[q_lat ; q_pe]``).
+        rows: per request [L_i, D], the main cache's rows as it holds them (``[c_kv ; k_pe]``).
+        new_lens: per request, query tokens (the last ones of its sequence).
+        causal_range / windows: token at position p sees ``max(0, p - windows[i] + 1) .. p``
+            (windows None: from 0) when causal_range.
+        indices: [T, k] positions into ``rows``; rows2 / extra_indices: per request
+            [L2_i, D] rows of the second cache and [T, k2] entries into them.
+        sink: [H] logits (-inf: none); value_width: columns of a row that are its value
+            (default D).
+    Returns:
+        (o float64 [T, H, value_width], lse float64 [T, H]).
+    """
+    T, H, D = q.shape
+    dv = D if value_width is None else value_width
+    o = torch.zeros(T, H, dv, dtype=torch.float64)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    t = 0
+    for i, (R, n) in enumerate(zip(rows, new_lens, strict=True)):
+        L = R.shape[0]
+        for j in range(n):
+            p = L - n + j
+            main: set[int] = set()  # the key set: distinct positions per cache
+            if causal_range:
+                start = 0 if windows is None else max(0, p - windows[i] + 1)
+                main |= set(range(start, p + 1))
+            if indices is not None:
+                main |= {k for k in indices[t].tolist() if k >= 0}
+            keys: list[torch.Tensor] = [R[k] for k in sorted(main)]
+            if extra_indices is not None:
+                assert rows2 is not None
+                extra = {e for e in extra_indices[t].tolist() if e >= 0}
+                keys += [rows2[i][e] for e in sorted(extra)]
+            logits = torch.full((H, 0), 0.0, dtype=torch.float64)
+            if keys:
+                K = torch.stack(keys).double()  # [n_keys, D]
+                logits = (q[t].double() @ K.T) * scale  # [H, n_keys]
+            if sink is not None:
+                logits = torch.cat([logits, sink.double()[:, None]], 1)
+            if logits.shape[1]:
+                lse[t] = torch.logsumexp(logits, 1)
+                if keys:
+                    w = torch.exp(logits[:, : len(keys)] - lse[t][:, None])
+                    w = torch.nan_to_num(w)  # lse = -inf: every logit -inf (sink only)
+                    o[t] = w @ K[:, :dv]
+            t += 1
     return o, lse

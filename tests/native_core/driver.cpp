@@ -22,6 +22,10 @@
 //               (-inf where not written), or "error"
 //   sparse      core::sparse_attention (csrc/sparse_attention.cpp): the attention case's fields
 //               plus "idx" [T, K] int32 and "tok_req" [T] int32 -> "out", "lse", or "error"
+//   keyset      core::keyset_attention (csrc/keyset_attention.cpp): the attention case's fields
+//               plus "range", "window" [B] (or has_window 0), "K" / "idx" [T, K], "K2" / "idx2"
+//               [T, K2] into "cache2" (pages of page_size2, num_pages2; "bt2" [bt2_rows,
+//               bt2_width], "len2" [B]), "sink" [H] (or has_sink 0) -> "out", "lse", or "error"
 //   widen       vec::VecF::load_bf16 / load_bf16_n: x [N] bf16 bits (N a multiple of the
 //               level's W) -> "y" [W][N] fp32 bits: row 0 widened in whole vectors, row n
 //               (0 < n < W) in chunks of n lanes, each copied first into a heap buffer of
@@ -37,6 +41,7 @@
 #include "indexer.cpp"
 #include "mha.cpp"
 #include "sparse_attention.cpp"
+#include "keyset_attention.cpp"
 
 #include <cstdio>
 #include <fstream>
@@ -199,6 +204,26 @@ std::string run_sparse(Case& c) {
                                 parallel(c.i("threads")));
 }
 
+std::string run_keyset(Case& c) {
+  core::Bounds b;
+  core::Params P = attention_params(c, b);
+  core::KeySet S;
+  S.range = c.i("range") != 0;
+  if (c.i("has_window")) S.window = c.arr<int32_t>("window", P.B);
+  if ((S.K = c.i("K")) > 0) S.idx = c.arr<int32_t>("idx", b.T * S.K), S.idx_s0 = S.K;
+  if ((S.K2 = c.i("K2")) > 0) {
+    const int64_t ps2 = c.i("page_size2"), np2 = c.i("num_pages2");
+    S.idx2 = c.arr<int32_t>("idx2", b.T * S.K2), S.idx2_s0 = S.K2;
+    S.cache2 = c.arr<char>("cache2", np2 * ps2 * P.row_bytes);
+    S.c2_s0 = ps2 * P.row_bytes, S.c2_s1 = P.row_bytes, S.page_size2 = ps2, S.num_pages2 = np2;
+    S.bt2_rows = c.i("bt2_rows"), S.bt2_width = c.i("bt2_width"), S.bt2_s0 = S.bt2_width;
+    S.bt2 = c.arr<int32_t>("bt2", S.bt2_rows * S.bt2_width), S.len2 = c.arr<int32_t>("len2", P.B);
+  }
+  if (c.i("has_sink")) P.sink = c.arr<float>("sink", P.H);
+  return core::keyset_attention(P, b, S, dtype(c.i("qdt")), static_cast<int>(c.i("mode")), c.i("splits"),
+                                parallel(c.i("threads")));
+}
+
 std::string run_indexer(Case& c) {
   core::IndexParams P;
   const int64_t T = c.i("T"), Hi = c.i("Hi"), Di = c.i("Di"), B = c.i("B");
@@ -350,6 +375,7 @@ std::string run_case(Case& c) {
   const std::string name(op.begin(), op.end());
   if (name == "attention") return run_attention(c);
   if (name == "sparse") return run_sparse(c);
+  if (name == "keyset") return run_keyset(c);
   if (name == "indexer") return run_indexer(c);
   if (name == "write") return run_write(c);
   if (name == "head_gemm") return run_head_gemm(c);

@@ -41,15 +41,20 @@ import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
 from mla_backend.ops.native import build, host_isas
 from mla_backend.testing import core_driver as cd
-from mla_backend.testing.cases import make_case, make_dsa_case
+from mla_backend.testing.cases import make_case, make_dsa_case, make_keyset_case
 from mla_backend.testing.dsa_checks import check_logits, check_sparse, check_topk, logit_bound
+from mla_backend.testing.keyset_checks import check_keyset
 from mla_backend.testing.native_checks import (
     ATTENTION_DTYPES,
     check_absorbed,
     check_bf16_gemm,
     check_mha,
 )
-from mla_backend.testing.reference import reference_indexer_logits, reference_topk
+from mla_backend.testing.reference import (
+    reference_indexer_logits,
+    reference_keyset_attention,
+    reference_topk,
+)
 
 FP8, DS = torch.float8_e4m3fn, torch.uint8
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -95,6 +100,10 @@ def _cost(f: dict[str, cd.Field]) -> int:
         return g["T"] * max(kvl, default=0) * g["Hi"] * g["Di"]
     if f["op"] == "sparse":
         return g["T"] * g["K"] * g["H"] * (g["r"] + g["rope"])
+    if f["op"] == "keyset":
+        kvl = f["kvl"].tolist()  # type: ignore[union-attr]
+        keys = max(kvl, default=0) + g["K"] + g["K2"]
+        return g["T"] * keys * g["H"] * (g["r"] + g["rope"])
     return 0
 
 
@@ -438,6 +447,95 @@ def _dsa_specs() -> list[Spec]:
     return specs
 
 
+# ---- attention over key sets ------------------------------------------------------------------
+def _keyset(name: str, H: int, r: int, rope: int, prefix: list[int], new: list[int], page: int,
+            page2: int, lens2: list[int], qdt: torch.dtype, cdt: torch.dtype, *,
+            window: int | None = None, K: int = 0, K2: int = 0, sink: bool = False,
+            value_is_key: bool = False, splits: int = 0, threads: int = 1, seed: int = 0,
+            bad: str = "") -> Spec:  # fmt: skip
+    """The key-set attention core: a window of the main cache, -1-padded index lists into it
+    and into a second cache (its own pages), sinks; ``value_is_key``: the whole row is the
+    value (the core sees r + rope values and no rope part). ``bad``: "window" (a window of 0)
+    or "page2" (a second-cache page id past its pages)."""
+    d = make_keyset_case(mb.MLADims(H, r, 8, rope, 8), prefix, new, page, lens2, page2, qdt, cdt,
+                         seed)  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 5)
+    T, B, D = sum(new), len(prefix), r + rope
+    kvl = d.case.batch.kv_lens
+
+    def lists(k: int, lens: list[int]) -> torch.Tensor:
+        out = torch.full((T, k), -1, dtype=torch.int32)
+        req = [i for i, n in enumerate(new) for _ in range(n)]
+        for t, i in enumerate(req):
+            if lens[i] and k:
+                out[t] = torch.randint(0, lens[i], (k,), generator=g, dtype=torch.int32)
+        out[torch.rand(T, k, generator=g) < 0.3] = -1
+        return out
+
+    idx, idx2 = lists(K, kvl), lists(K2, lens2)
+    sinks = torch.tensor([[0.5, 30.0, float("-inf"), -2.0][h % 4] for h in range(H)])
+    q = torch.cat([d.q_lat, d.q_pe], -1).contiguous()
+    scale = 1.0 / math.sqrt(D)
+    kvs = float(d.case.kv_scale) if d.case.kv_scale is not None else 1.0
+    bt, bt2 = d.case.batch.block_table.to(torch.int32), d.extra.block_table.clone()
+    windows = [window] * B if window is not None else [1] * B
+    if bad == "window":
+        windows[-1] = 0
+    if bad == "page2":
+        bt2[1, 0] = d.extra.kv_cache.shape[0]
+    rr, rp = (D, 0) if value_is_key else (r, rope)
+    fields: dict[str, cd.Field] = dict(
+        op="keyset", qdt=DT_CODE[qdt], mode=2 if cdt == DS else (1 if cdt == FP8 else 0), H=H,
+        r=rr, rope=rp, B=B, T=T, page_size=page, num_pages=d.case.kv_cache.shape[0],
+        bt_rows=bt.shape[0], bt_width=bt.shape[1], q_s0=q.stride(0), q_s1=q.stride(1), q=q,
+        cache=d.case.kv_cache, bt=bt, cu=torch.tensor(d.case.batch.cu_new, dtype=torch.int32),
+        kvl=torch.tensor(kvl, dtype=torch.int32), scale=scale, kv_scale=kvs, splits=splits,
+        max_page_id=-1, threads=threads, range=1, has_window=int(window is not None or bad != ""),
+        window=torch.tensor(windows, dtype=torch.int32), K=K, idx=idx, K2=K2, idx2=idx2,
+        cache2=d.extra.kv_cache, page_size2=page2, num_pages2=d.extra.kv_cache.shape[0],
+        bt2_rows=bt2.shape[0], bt2_width=bt2.shape[1], bt2=bt2, len2=d.extra.lens,
+        has_sink=int(sink), sink=sinks,
+    )  # fmt: skip
+    if bad == "window":
+        return Spec(name, fields, _refused(f"window[{B - 1}] = 0 must be >= 1"))
+    if bad == "page2":
+        return Spec(name, fields, _refused("second block_table[1, 0] = "))
+    dv = D if value_is_key else r
+
+    def check(out: dict[str, bytes]) -> None:
+        assert "error" not in out, out.get("error", b"").decode()
+        o = cd.tensor(out["out"], qdt, (T, H, dv))
+        lse = cd.tensor(out["lse"], torch.float32, (T, H))
+        ref_o, ref_lse = reference_keyset_attention(
+            q.float(), d.rows, list(new), scale, windows=windows if window is not None else None,
+            indices=idx if K else None, rows2=d.rows2, extra_indices=idx2 if K2 else None,
+            sink=sinks if sink else None, value_width=dv,
+        )  # fmt: skip
+        check_keyset(o, lse, ref_o, ref_lse, qdt)
+
+    return Spec(name, fields, check)
+
+
+def _keyset_specs() -> list[Spec]:
+    ragged, lens2 = ([0, 9, 70, 3, 130], [5, 1, 6, 0, 2]), [2, 3, 17, 0, 33]
+    specs = []
+    for k, (qdt, cdt) in enumerate(DTYPES):
+        specs.append(_keyset(f"keyset-{_dt(qdt)}-{_dt(cdt)}", 5, 40, 8, *ragged, 16, 4, lens2,
+                             qdt, cdt, window=4, K=3, K2=6, sink=True, seed=k,
+                             threads=1 + k % 2))  # fmt: skip
+    specs.append(_keyset("keyset-dense-sink-splits", 4, 40, 8, *ragged, 1, 64, lens2, F32, F32,
+                         sink=True, splits=3))  # fmt: skip
+    specs.append(_keyset("keyset-window1-page64", 4, 40, 8, *ragged, 64, 1, lens2, BF16, BF16,
+                         window=1, K2=4, sink=True, splits=2, threads=2))  # fmt: skip
+    specs.append(_keyset("keyset-v4-value-is-key", 3, 448, 64, [0, 40], [3, 1], 16, 16, [1, 10],
+                         BF16, BF16, window=8, K2=4, sink=True, value_is_key=True))  # fmt: skip
+    specs.append(_keyset("refuse-keyset-window", 4, 40, 8, *ragged, 16, 16, lens2, F32, F32,
+                         bad="window"))  # fmt: skip
+    specs.append(_keyset("refuse-keyset-page2", 4, 40, 8, *ragged, 16, 16, lens2, F32, F32,
+                         K2=2, bad="page2"))  # fmt: skip
+    return specs
+
+
 # ---- cache-row writers ------------------------------------------------------------------------
 def _write(
     name: str,
@@ -725,7 +823,8 @@ TARGETS = cd.targets(_host_levels())
 def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Spec]]:
     """Every case written once: (folder, name -> spec)."""
     folder = tmp_path_factory.mktemp("core_cases")
-    specs = _attention_specs() + _write_specs() + _gemm_specs() + _dsa_specs() + [_widen_spec()]
+    specs = _attention_specs() + _write_specs() + _gemm_specs() + _dsa_specs() + _keyset_specs()
+    specs += [_widen_spec()]
     names = [s.name for s in specs]
     assert len(set(names)) == len(names), "duplicate case names"
     for s in specs:

@@ -21,9 +21,11 @@ path's MHA) and ``native_decompress`` (``csrc/decompress.cpp``: its ``c_kv · W_
 ``c_kv · W_UV``), the last three over the torch-free GEMM engine ``csrc/gemm_core.h``, and DSA's
 ``native_indexer_topk`` / ``native_indexer_logits`` (``csrc/indexer.cpp``, over the same GEMM
 engine), ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the absorbed
-attention's engines) and ``native_masked_attention_with_lse`` (``csrc/sparse_mha.cpp``: DSA's
-sparse MHA, the normal path's MHA with a per-row mask). Each op that takes a tensor has a fake
-(meta) function (:data:`FAKES`), checked against the loaded build's schemas
+attention's engines), ``native_masked_attention_with_lse`` (``csrc/sparse_mha.cpp``: DSA's
+sparse MHA, the normal path's MHA with a per-row mask) and ``native_keyset_attention``
+(``csrc/keyset_attention.cpp``: absorbed attention over key sets -- windows, index lists into
+one or two caches, sinks -- over the absorbed attention's engines). Each op that takes a tensor
+has a fake (meta) function (:data:`FAKES`), checked against the loaded build's schemas
 (:func:`schema_mismatches`), so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
 """
 
@@ -58,6 +60,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (
     "api.cpp", "absorbed_attention.cpp", "cache_write.cpp", "head_gemm.cpp", "mha.cpp",
     "decompress.cpp", "indexer.cpp", "sparse_attention.cpp", "sparse_mha.cpp",
+    "keyset_attention.cpp",
 )  # fmt: skip
 _HEADERS = (
     "isa.h",
@@ -197,6 +200,14 @@ def _sparse_attention(
     return None
 
 
+def _keyset_attention(
+    q_lat, q_pe, kv_cache, block_table, cu_seqlens_q, kv_lens, range, window, indices, cache2,
+    block_table2, lens2, indices2, sink, softmax_scale, kv_scale, max_page_id, num_kv_splits,
+    engine, out, lse,
+):  # fmt: skip  (``range``: the schema's name)
+    return None
+
+
 #: op name -> its fake (every op of ``csrc/api.cpp`` with a tensor argument)
 FAKES: dict[str, Callable[..., Any]] = {
     "native_absorbed_attention": _absorbed_attention,
@@ -211,6 +222,7 @@ FAKES: dict[str, Callable[..., Any]] = {
     "native_indexer_topk": _indexer_topk,
     "native_indexer_logits": _indexer_logits,
     "native_sparse_attention": _sparse_attention,
+    "native_keyset_attention": _keyset_attention,
 }
 
 

@@ -5,9 +5,10 @@ absorption GEMMs ``q_nope · W_UK`` / ``o_lat · W_UV`` for bf16 weights (packed
 :meth:`Kernels.prepare_weights`), the normal path's decompression and MHA and DSA's sparse
 (masked) MHA for bf16 (all at every ISA level: fp32 sums, never torch's bf16 GEMM; other dtypes:
 the torch implementation's); DSA's indexer (logits, top-k) and sparse attention from their C++
-kernels. Delegated explicitly to the
-torch implementation (:func:`mla_backend.ops.torch.torch_default`): the normal path's cache
-reads (``gather_latent``) and the index-key write."""
+kernels; attention over key sets (windows, index lists into one or two caches, sinks) from
+``csrc/keyset_attention.cpp``. Delegated explicitly to the torch implementation
+(:func:`mla_backend.ops.torch.torch_default`): the normal path's cache reads
+(``gather_latent``) and the index-key write."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..base import (
     AbsorbedCall,
     IndexerCall,
     KernelImpl,
+    KeySetCall,
     LatentWrite,
     MaskedMHACall,
     SparseCall,
@@ -243,4 +245,10 @@ class Kernels(KernelImpl):
         # page ids were bounds-checked at the entry point (part.max_page_id); the op checks
         # every index against its request's kv length before reading the cache
         o, lse = native.sparse_attention(call, isa=self.level, engine=self.engine)
+        return call.attn.deliver(o, lse)
+
+    def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
+        # page ids of the main cache were bounds-checked at the entry point
+        # (part.max_page_id); the op checks every window, index and second-cache page
+        o, lse = native.keyset_attention(call, isa=self.level, engine=self.engine)
         return call.attn.deliver(o, lse)

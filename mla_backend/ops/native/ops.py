@@ -18,7 +18,14 @@ from .build import _state, op_namespace, require
 from .engine import attention_engine, engine_code
 
 if TYPE_CHECKING:
-    from ..base import AbsorbedCall, IndexerCall, LatentWrite, MaskedMHACall, SparseCall
+    from ..base import (
+        AbsorbedCall,
+        IndexerCall,
+        KeySetCall,
+        LatentWrite,
+        MaskedMHACall,
+        SparseCall,
+    )  # fmt: skip
 
 
 def simd_level(isa: str | None = None) -> str:
@@ -247,6 +254,42 @@ def sparse_attention(
     op_namespace(level).native_sparse_attention(
         a.q_lat, a.q_pe, a.kv_cache, p.block_table, p.cu_new_t, p.kv_lens_t, call.indices,
         call.sparse.token_req_t, float(a.softmax_scale), a.kv_scale, int(p.max_page_id), code,
+        o, lse,
+    )  # fmt: skip
+    return o, lse
+
+
+def keyset_attention(
+    call: KeySetCall, *, isa: str | None = None, engine: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed attention over key sets (``csrc/keyset_attention.cpp``; the semantics of
+    :mod:`mla_backend.ops.torch.keyset_attention`): op ``native_keyset_attention`` on the
+    record's fields: ``call.attn`` as :func:`absorbed_attention` takes it (the main cache in any
+    layout), ``call.causal_range`` with ``call.window.sizes_t`` [B] int32 (None: from 0),
+    ``call.indices`` [T, k] positions of the main cache, ``call.extra`` (the main cache's row
+    format, its block table [B, pages2] and lens [B]) with ``call.extra_indices`` [T, k2],
+    ``call.sink`` [H] float32 -> (o [T, H, dv] in q's dtype, lse [T, H] float32, the sink
+    included; into ``call.attn.out`` / ``lse`` when given and contiguous). value = key runs as
+    a latent of the whole row with no rope part (q = ``[q_lat ; q_pe]``). A bad window, index
+    or used page id raises RuntimeError naming it, before any read."""
+    level = require(isa)
+    a, p, ex = call.attn, call.attn.part, call.extra
+    q_lat, q_pe = a.q_lat, a.q_pe
+    if call.value_is_key:
+        q_lat = torch.cat([q_lat, q_pe], -1)
+        q_pe = q_lat.new_empty(q_lat.shape[0], q_lat.shape[1], 0)
+    T, H, r = q_lat.shape
+    o = a.out if a.out is not None and a.out.is_contiguous() else None
+    lse = a.lse if a.lse is not None and a.lse.is_contiguous() else None
+    o = o if o is not None else torch.empty(T, H, r, dtype=q_lat.dtype)
+    lse = lse if lse is not None else torch.empty(T, H, dtype=torch.float32)
+    code = engine_code(attention_engine(level) if engine is None else engine)
+    op_namespace(level).native_keyset_attention(
+        q_lat, q_pe, a.kv_cache, p.block_table, p.cu_new_t, p.kv_lens_t, bool(call.causal_range),
+        call.window.sizes_t if call.window is not None else None, call.indices,
+        ex.kv_cache if ex is not None else None, ex.block_table if ex is not None else None,
+        ex.lens if ex is not None else None, call.extra_indices, call.sink,
+        float(a.softmax_scale), a.kv_scale, int(p.max_page_id), int(p.work.num_kv_splits), code,
         o, lse,
     )  # fmt: skip
     return o, lse

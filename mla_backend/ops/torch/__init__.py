@@ -7,8 +7,9 @@ latent cache write), :mod:`.absorbed_attention` (MQA over the latent rows), :mod
 normal path's reads of the latent cache), :mod:`.decompress` (latent rows -> per-head K / V),
 :mod:`.mha` (MHA with its log-sum-exp over torch's fused SDPA), :mod:`.indexer` (DSA's index-key
 write, lightning-indexer logits and top-k), :mod:`.sparse_attention` (DSA's sparse absorbed
-attention) and :mod:`.sparse_mha` (DSA's sparse MHA: MHA under a per-row mask); :mod:`.kernels`
-holds :class:`Kernels` over them.
+attention), :mod:`.sparse_mha` (DSA's sparse MHA: MHA under a per-row mask) and
+:mod:`.keyset_attention` (absorbed attention over key sets: windows, index lists into one or two
+caches, sinks); :mod:`.kernels` holds :class:`Kernels` over them.
 """
 
 from __future__ import annotations

@@ -18,11 +18,21 @@ from ..base import (
     IndexerCall,
     IndexKeyWrite,
     KernelImpl,
+    KeySetCall,
     LatentWrite,
     MaskedMHACall,
     SparseCall,
 )  # fmt: skip
-from . import absorbed_attention, decompress, indexer, mha, paged, sparse_attention, sparse_mha
+from . import (
+    absorbed_attention,
+    decompress,
+    indexer,
+    keyset_attention,
+    mha,
+    paged,
+    sparse_attention,
+    sparse_mha,
+)  # fmt: skip
 from .cache_write import write_latent
 
 if TYPE_CHECKING:
@@ -99,6 +109,9 @@ class Kernels(KernelImpl):
 
     def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_mha.masked_attention_with_lse(call)
+
+    def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return keyset_attention.keyset_attention(call)
 
 
 #: the torch implementation with its default tuning: the instance delegations run on

@@ -38,10 +38,20 @@ def checked_indices(indices: torch.Tensor, part: PlanPart, sparse: SparsePart) -
     torch._assert_async(ok, OUT_OF_RANGE)
     if idx.shape[1] < 2:
         return idx
+    return idx.masked_fill(~first_occurrences(idx), -1)
+
+
+def first_occurrences(idx: torch.Tensor) -> torch.Tensor:
+    """[m, k] bool: False where ``idx`` [m, k] (int, -1 = no entry) repeats a valid position
+    listed earlier in its row, True elsewhere (the one dedup rule of sparse and key-set
+    attention)."""
+    keep = torch.ones_like(idx, dtype=torch.bool)
+    if idx.shape[1] < 2:
+        return keep
     srt, order = idx.sort(dim=1, stable=True)  # a repeat sorts right after its first occurrence
     rep = torch.zeros_like(srt, dtype=torch.bool)
     rep[:, 1:] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-    return idx.masked_fill(torch.zeros_like(rep).scatter_(1, order, rep), -1)
+    return keep.scatter_(1, order, ~rep)
 
 
 def sparse_absorbed_attention(call: SparseCall) -> tuple[torch.Tensor, torch.Tensor]:

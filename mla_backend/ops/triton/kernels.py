@@ -15,10 +15,18 @@ from ...cost import CPU_PROFILE, GPU_PROFILE, DeviceProfile
 from ...decision import Decision
 from ...dims import MLADims
 from ...parts import StepShape
-from ..base import AbsorbedCall, IndexerCall, IndexKeyWrite, KernelImpl, LatentWrite, SparseCall
+from ..base import (
+    AbsorbedCall,
+    IndexerCall,
+    IndexKeyWrite,
+    KernelImpl,
+    KeySetCall,
+    LatentWrite,
+    SparseCall,
+)  # fmt: skip
 from ..torch import DEFAULT as TORCH
 from ..torch import torch_default
-from . import dsa, schedule
+from . import dsa, keyset, schedule
 from . import ops as triton_ops  # by module: tests reload it and patch its functions
 from .jit import heuristics as hx
 from .schedule import TritonSchedule
@@ -211,3 +219,9 @@ class Kernels(KernelImpl):
         if not dsa.sparse_supported(call.attn.layout.kv_lora_rank):
             return TORCH.sparse_absorbed_attention(call)
         return dsa.sparse_attention(call, fp8_mode=self.fp8_mode, num_splits=self.sparse_splits)
+
+    # ---- attention over key sets --------------------------------------------------------
+    def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
+        if not keyset.keyset_supported(call):
+            return TORCH.keyset_attention(call)
+        return keyset.keyset_attention(call, fp8_mode=self.fp8_mode)

@@ -46,7 +46,8 @@ struct DefersPrefetch<E, std::void_t<decltype(std::declval<E&>().defer_prefetch(
 // [T*H] output row out_row0 + R) normalised by its softmax sum lrow[m] (times P.out_scale) with
 // its LSE mrow[m] + log lrow[m] (0 and -inf for a row that saw no key), stored into P.out /
 // P.lse when the item is its request's only kv split, else into the split's partial row
-// (P.part_o / P.part_lse, merged after by merge_splits).
+// (P.part_o / P.part_lse, merged after by merge_splits, which applies the sink then). The
+// attention sink (apply_sink, P.sink) is applied to a row stored whole: head R % P.H.
 template <typename QT, class Engine>
 inline void store_item_rows(const Params& P, const Item& it, const Engine& E, int64_t out_row0,
                             const float* mrow, const float* lrow) {
@@ -60,6 +61,7 @@ inline void store_item_rows(const Params& P, const Item& it, const Engine& E, in
     }
     const float* o = E.orow(m);
     if (it.nsplit == 1) {
+      apply_sink(P, R % P.H, inv, lse);
       const int64_t g = out_row0 + R;
       store_row(reinterpret_cast<QT*>(P.out) + g * r, o, r, inv);
       P.lse[g] = lse;
@@ -176,8 +178,10 @@ void merge_splits(const Params& P, const std::vector<std::pair<int64_t, int64_t>
       }
       const int64_t g = P.cu[jb.req] * P.H + R;
       float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+      float lse = wsum > 0.0f ? mx + std::log(wsum) : kNegInf;
+      apply_sink(P, R % P.H, inv, lse);
       store_row(reinterpret_cast<QT*>(P.out) + g * r, acc.data(), r, inv);
-      P.lse[g] = wsum > 0.0f ? mx + std::log(wsum) : kNegInf;
+      P.lse[g] = lse;
     }
   });
 }

@@ -45,6 +45,12 @@ TORCH_LIBRARY(MLA_OPS_NS, m) {
   m.def(
       "native_masked_attention_with_lse(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> "
       "(Tensor, Tensor)");
+  // keyset_attention.cpp
+  m.def(
+      "native_keyset_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
+      "Tensor cu_seqlens_q, Tensor kv_lens, bool range, Tensor? window, Tensor? indices, Tensor? cache2, "
+      "Tensor? block_table2, Tensor? lens2, Tensor? indices2, Tensor? sink, float softmax_scale, "
+      "Tensor? kv_scale, int max_page_id, int num_kv_splits, int engine, Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
@@ -60,4 +66,5 @@ TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_indexer_logits", &mla_native::indexer_logits);
   m.impl("native_sparse_attention", &mla_native::sparse_attention);
   m.impl("native_masked_attention_with_lse", &mla_native::masked_attention_with_lse);
+  m.impl("native_keyset_attention", &mla_native::keyset_attention);
 }

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -134,6 +135,8 @@ struct Params {
   float* lse;          // [T, H]
   float* part_o;       // [.., r] normalised partial outputs of split requests
   float* part_lse;
+  // optional per-head attention sink [H] float32 (finite or -inf; null: none), see apply_sink
+  const float* sink = nullptr;
 };
 
 struct Item {
@@ -219,6 +222,25 @@ inline std::string validate(const Params& P, const Bounds& b) {
   if (last != b.T)
     return cat("cu_seqlens_q[-1] = ", last, " must equal the number of query tokens T = ", b.T);
   return {};
+}
+
+// The attention sink of head h (P.sink; nothing without one): a logit in the softmax's
+// denominator only, i.e. one more key of value 0. Given a row's key-only lse and its output
+// factor inv, scales inv by 1 / (1 + exp(sink - lse)) and sets lse = log(exp(lse) + exp(sink)):
+// the returned lse includes the sink (sink = -inf: no change; no key: inv = 0, lse = sink).
+inline void apply_sink(const Params& P, int64_t h, float& inv, float& lse) {
+  if (P.sink == nullptr) return;
+  const float s = P.sink[h];
+  if (s == -std::numeric_limits<float>::infinity()) return;
+  if (lse == -std::numeric_limits<float>::infinity()) {
+    inv = 0.0f;
+    lse = s;
+    return;
+  }
+  const float m = std::max(lse, s);
+  const float tot = m + std::log(std::exp(lse - m) + std::exp(s - m));
+  inv *= std::exp(lse - tot);
+  lse = tot;
 }
 
 // Byte offset of kv position `pos` of request `i` in the cache.

@@ -63,6 +63,16 @@ void sparse_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at:
 std::tuple<at::Tensor, at::Tensor> masked_attention_with_lse(const at::Tensor& q, const at::Tensor& k,
                                                              const at::Tensor& v, const at::Tensor& mask,
                                                              double scale);
+// keyset_attention.cpp: absorbed attention over key sets (causal range with a window, index
+// lists into the main and a second cache, per-head sink; into out / lse)
+void keyset_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& kv_cache,
+                      const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+                      bool range, const c10::optional<at::Tensor>& window, const c10::optional<at::Tensor>& indices,
+                      const c10::optional<at::Tensor>& cache2, const c10::optional<at::Tensor>& block_table2,
+                      const c10::optional<at::Tensor>& lens2, const c10::optional<at::Tensor>& indices2,
+                      const c10::optional<at::Tensor>& sink, double softmax_scale,
+                      const c10::optional<at::Tensor>& kv_scale, int64_t max_page_id, int64_t num_kv_splits,
+                      int64_t engine, const at::Tensor& out, const at::Tensor& lse);
 
 // ---- shared by the torch layer -------------------------------------------------------------
 // the latent dtypes the absorbed attention and the cache write take (their errors name them)
