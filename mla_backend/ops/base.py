@@ -192,6 +192,8 @@ class MaskedMHACall:
     v: torch.Tensor
     mask: torch.Tensor
     scale: float
+
+
 @dataclass(frozen=True, eq=False)
 class KeyWindow:
     """Per-request sliding windows of a step (made by :func:`mla_backend.plan` from its
@@ -437,6 +439,7 @@ class KernelImpl(ABC):
     def masked_attention_with_lse(self, call: MaskedMHACall) -> tuple[torch.Tensor, torch.Tensor]:
         """DSA's sparse MHA: (o [H, Lq, Dv] in q's dtype, lse [H, Lq] float32; o = 0, lse = -inf
         for a row whose mask is empty) (see :class:`MaskedMHACall`)."""
+
     # ---- per layer: attention over key sets (dense MLA, DSA, DeepSeek-V4 as cases) ---------
     @abstractmethod
     def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:

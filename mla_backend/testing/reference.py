@@ -299,6 +299,9 @@ def reference_sparse_mla_attention(
                 lse[row] = torch.logsumexp(s, -1)
                 o[row] = torch.einsum("hl,hlv->hv", torch.softmax(s, -1), v)
             row += 1
+    return o, lse
+
+
 # ---- attention over key sets (mla_backend.keyset) --------------------------------------------
 def reference_keyset_attention(
     q: torch.Tensor,
