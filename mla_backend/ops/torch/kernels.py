@@ -36,8 +36,7 @@ from . import (
 from .cache_write import write_latent
 
 if TYPE_CHECKING:
-    from ...cache_layout import CacheLayout
-    from ...parts import PlanPart
+    pass
 
 
 class Kernels(KernelImpl):
@@ -72,18 +71,8 @@ class Kernels(KernelImpl):
     def absorbed_attention(self, call: AbsorbedCall) -> tuple[torch.Tensor, torch.Tensor]:
         return call.deliver(*absorbed_attention.absorbed_attention(call, self.tuning))
 
-    def gather_latent(
-        self,
-        kv_cache: torch.Tensor,
-        layout: CacheLayout,
-        part: PlanPart,
-        i: int,
-        start: int,
-        end: int,
-        dtype: torch.dtype,
-        kv_scale: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return paged.gather_latent(kv_cache, layout, part, i, start, end, dtype, kv_scale)
+    #: the normal path's read of the latent cache: :func:`.paged.gather_latent` as it is
+    gather_latent = staticmethod(paged.gather_latent)
 
     def decompress(
         self, c_kv: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor, W_UV: torch.Tensor
