@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,9 +34,6 @@ from . import (
     sparse_mha,
 )  # fmt: skip
 from .cache_write import write_latent
-
-if TYPE_CHECKING:
-    pass
 
 
 class Kernels(KernelImpl):
