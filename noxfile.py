@@ -9,8 +9,8 @@ The wheel is what we test: the first session that needs it builds the project's 
 nox run, into ``.nox/_wheel``); ``core``, ``triton`` and ``wheel`` install it (not editable) and
 run pytest from a directory of their own, so the source tree's ``mla_backend`` cannot shadow the
 installed one (``MLA_TEST_INSTALLED=1``: tests/conftest.py checks). ``wheel`` is the vLLM user's
-install: vLLM plus the wheel, running the core tests, the vLLM integration tests (the CLI smoke
-test with ``--attention-backend mla_absorb`` among them) and a slice of vLLM's own MLA grid.
+install: vLLM plus the wheel, running the vLLM integration tests (the CLI smoke test with
+``--attention-backend mla_absorb`` among them) and a slice of vLLM's own MLA grid.
 ``cores`` (C++ sources and the driver of tests/native_core), ``sglang`` (its tests are a package
 inside the tree), ``vllm``, ``demo`` and ``vllm_grid`` install the tree editable.
 
@@ -203,13 +203,12 @@ GRID = "integrations/vllm/upstream/run_grid.py"
 @_removes_its_env
 def wheel(session: nox.Session) -> None:
     """What a vLLM user installs, tested: vLLM and the built wheel (not editable) in a fresh
-    environment; the core tests (device's default kernels), the vLLM integration tests (the CLI
-    smoke test ``vllm bench latency --attention-backend mla_absorb`` on the tiny model among
-    them), then a slice of vLLM's own MLA backend grid (tests/v1/attention/test_mla_backends.py
-    of the vllm==0.32.0 sdist, fetched and cached on first use) against MLA_ABSORB, with CPU_MLA
-    as control."""
+    environment; the vLLM integration tests (the CLI smoke test ``vllm bench latency
+    --attention-backend mla_absorb`` on the tiny model among them), then a slice of vLLM's own
+    MLA backend grid (tests/v1/attention/test_mla_backends.py of the vllm==0.32.0 sdist, fetched
+    and cached on first use) against MLA_ABSORB, with CPU_MLA as control. The core tests run on
+    the same wheel and torch in ``core`` (not again here: CI's time)."""
     _vllm_env(session, wheel=True)
-    _pytest_installed(session, *CORE_TESTS)
     _pytest_installed(session, str(ROOT / "integrations/vllm/tests"))
     session.run("python", GRID, "--select", "slice")
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import mla_backend as mb
+from mla_backend.cache_layout import CacheLayout
 from mla_backend.index_cache import IndexCacheLayout
 from mla_backend.ops.native import build
 from mla_backend.testing.cases import make_case, make_dsa_case
@@ -55,6 +56,35 @@ def test_write_index_keys_refuses_a_slot_outside_the_cache(kernels: object, kind
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 11 is outside the index cache"):
         mb.write_index_keys(cache, torch.ones(1, 16), torch.tensor([11]), impl=kernels)
     assert _same_bytes(cache, before)
+
+
+# ---- 1b. a slot named by several tokens of one write holds the last one's row, whole --------
+@pytest.mark.parametrize("layout", ["bf16", "fp8", "fp8_ds_mla"])
+def test_a_slot_written_twice_holds_the_last_tokens_row(kernels: object, layout: str) -> None:
+    # 300 tokens (more than one thread's share) over 7 slots, every slot many times, the
+    # writers of a slot far apart; padding in between
+    r, rope, T = 256, 16, 300
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randint(0, 7, (T,), generator=g)
+    slots[::11] = -1
+    c_kv = torch.randn(T, r, generator=g).bfloat16()
+    k_pe = torch.randn(T, rope, generator=g).bfloat16()
+    if layout == "fp8_ds_mla":
+        lay = CacheLayout.ds_mla(r, rope, torch.bfloat16)
+        cache, scale = torch.zeros(2, 4, lay.width, dtype=torch.uint8), None
+    elif layout == "fp8":
+        cache, scale = torch.zeros(2, 4, r + rope, dtype=torch.float8_e4m3fn), torch.tensor(0.5)
+    else:
+        cache, scale = torch.zeros(2, 4, r + rope, dtype=torch.bfloat16), None
+    mb.write_latent(cache, c_kv, k_pe, slots, scale, impl=kernels)
+    # the oracle: each slot written alone by its last token, on the torch implementation
+    want = torch.zeros_like(cache)
+    for s in range(8):
+        named = (slots == s).nonzero().flatten()
+        if len(named):
+            t = named[-1 :]
+            mb.write_latent(want, c_kv[t], k_pe[t], torch.tensor([s]), scale, impl="torch")
+    assert _same_bytes(cache, want)
 
 
 # ---- 3. the block table the kernels read is the one the plan checks --------------------------

@@ -23,6 +23,7 @@ import torch
 from ...index_cache import IndexCacheLayout
 from ...parts import PlanPart
 from ..base import IndexerCall, IndexKeyWrite
+from .slots import write_targets
 
 #: the rank key of a position a query token does not see
 INVISIBLE = -(2**63)
@@ -36,10 +37,9 @@ def write_index_keys(w: IndexKeyWrite) -> None:
     """Write keys k_I [T, Di] to ``slot_mapping`` [>= T] (< 0 skipped) of ``index_cache``
     [pages, page_size, W] in ``layout``, in place (the fields of ``w``).
 
-    Padding slots (< 0) are redirected, without reading the mask on the host, to the largest
-    slot of the step with that slot's own key (identical duplicate writes), or, when every slot
-    is padding, to the cache's last slot with its current content. Slots are in range (refused
-    at the entry point, :func:`mla_backend.checks.check_slots`); the index never wraps."""
+    Slots are in range (refused at the entry point, :func:`mla_backend.checks.check_slots`);
+    the index never wraps. A slot named by several tokens holds the last one's key and padding
+    (< 0) writes nothing (:func:`~.slots.write_targets`: no host read of the mask)."""
     index_cache, layout, k_I, slot_mapping = w.index_cache, w.layout, w.k_I, w.slot_mapping
     T = k_I.shape[0]
     ps = index_cache.shape[1]
@@ -48,20 +48,14 @@ def write_index_keys(w: IndexKeyWrite) -> None:
         return
     values, scales = layout.page_views(index_cache)
     vals, sc = layout.encode(k_I)
-    slots = slot_mapping[:T].long()
-    valid = slots >= 0
-    top = slots.argmax().view(1)
-    smax = slots.index_select(0, top)  # [1]; < 0 only if every slot is padding
-    redirect = torch.where(smax >= 0, smax, n_slots - 1)  # all padding: the last slot
-    target = torch.where(valid, slots, redirect)
-    page, off = target // ps, target % ps
-    keep_page, keep_off = redirect // ps, redirect % ps
+    to = write_targets(slot_mapping[:T].long(), n_slots)
+    page, off = to.target // ps, to.target % ps
     for view, rows in ((values, vals.view(values.dtype)), (scales, sc)):
         if view is None:
             continue
-        keep = view[keep_page, keep_off]  # [1, X]: that slot's current content
-        fill = torch.where((smax >= 0)[:, None], rows.index_select(0, top), keep)
-        view.index_put_((page, off), torch.where(valid[:, None], rows, fill))
+        keep = view[page[:1], off[:1]]  # [1, X]: all padding: that slot's current content
+        src = torch.where(to.any_valid[:, None], rows.index_select(0, to.source), keep)
+        view.index_put_((page, off), src)
 
 
 def request_keys(

@@ -5,7 +5,8 @@
 // checks validate()'s rules, token_req and every index (-1 = no entry, else < its request's
 // kv length). Checked here: refusal exactly for malformed calls (outputs untouched); else each
 // (token, head) row against the fp64 attention over its valid entries (o = 0, lse = -inf for
-// none); a list with a repeated entry is either refused or counted as listed; inputs untouched.
+// none); a list with a repeated entry is either refused or has each distinct position counted
+// once (the project's rule for repeated indices); inputs untouched.
 #include "latent_case.h"
 #define MLA_CORE_ONLY 1
 #include "sparse_attention.cpp"
@@ -81,8 +82,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<int64_t> offs;
   for (int64_t t = 0; t < T; ++t) {
     offs.clear();
+    std::set<int32_t> distinct;
     for (int64_t k = 0; k < K; ++k)
-      if (idx[t * K + k] >= 0) offs.push_back(c.row_off(treq[t], idx[t * K + k]));
+      if (idx[t * K + k] >= 0 && distinct.insert(idx[t * K + k]).second)
+        offs.push_back(c.row_off(treq[t], idx[t * K + k]));
     for (int64_t h = 0; h < c.H; ++h) c.check_row(t, h, offs);
   }
   return 0;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_params.h"
@@ -87,7 +88,30 @@ inline std::string validate_slots(const int64_t* slots, int64_t T, int64_t num_s
   return {};
 }
 
-// Writes the rows (see WriteParams) after validate_slots; returns its refusal or "".
+// The tokens whose slot a later token of the write names too (empty when no slot repeats:
+// the usual case, checked in O(T) when the slots increase, else by one sort): a slot named
+// several times holds its last token's row, whole, whichever threads write the others.
+inline std::vector<char> overwritten_tokens(const int64_t* slots, int64_t T) {
+  bool increasing = true;
+  for (int64_t t = 0, prev = -1; t < T && increasing; ++t)
+    if (slots[t] >= 0) increasing = slots[t] > prev, prev = slots[t];
+  if (increasing) return {};
+  std::vector<std::pair<int64_t, int64_t>> named;  // (slot, token), padding left out
+  named.reserve(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0) named.emplace_back(slots[t], t);
+  std::sort(named.begin(), named.end());
+  std::vector<char> skip;
+  for (size_t i = 0; i + 1 < named.size(); ++i)
+    if (named[i].first == named[i + 1].first) {
+      if (skip.empty()) skip.assign(static_cast<size_t>(T), 0);
+      skip[static_cast<size_t>(named[i].second)] = 1;
+    }
+  return skip;
+}
+
+// Writes the rows (see WriteParams) after validate_slots; returns its refusal or "". A slot
+// named by several tokens holds the last one's row (overwritten_tokens).
 inline std::string write_latent(const WriteParams& W, const Parallel& par) {
   if (W.page_size < 1) return detail::cat("page_size ", W.page_size, " must be >= 1");
   const std::string err = validate_slots(W.slots, W.T, W.num_pages * W.page_size);
@@ -95,11 +119,12 @@ inline std::string write_latent(const WriteParams& W, const Parallel& par) {
   const int64_t D = W.r + W.rope;
   if (D == 0) return {};  // rows of no bytes: nothing to write (the cache may have no data)
   const DsLayout dsl(W.r, W.rope, W.rope_dt == DType::kF32 ? 4 : 2);
+  const std::vector<char> skip = overwritten_tokens(W.slots, W.T);
   par.for_range(W.T, 64, [&](int64_t t_begin, int64_t t_end) {
     std::vector<float> row(D);
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t slot = W.slots[t];
-      if (slot < 0) continue;
+      if (slot < 0 || (!skip.empty() && skip[static_cast<size_t>(t)])) continue;
       char* dst = W.cache + (slot / W.page_size) * W.c_s0 + (slot % W.page_size) * W.c_s1;
       const float* c = W.c_kv + t * W.r;
       const float* kp = W.k_pe + t * W.rope;
