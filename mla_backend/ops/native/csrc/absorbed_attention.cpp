@@ -105,20 +105,14 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
   at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
 
-  auto as_i32 = [](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " dtype ",
-                t.scalar_type(), " is not supported; use int32");
-    return t.to(at::kInt).contiguous();
-  };
   at::Tensor bt = block_table_in;
   TORCH_CHECK(bt.dim() == 2, "block_table must be [B, max_pages], got shape ", bt.sizes());
   TORCH_CHECK(bt.device().is_cpu(), "block_table must be a CPU tensor, got ", bt.device());
   TORCH_CHECK(bt.scalar_type() == at::kInt || bt.scalar_type() == at::kLong, "block_table dtype ",
               bt.scalar_type(), " is not supported; use int32");
   if (bt.scalar_type() != at::kInt || bt.stride(1) != 1) bt = bt.to(at::kInt).contiguous();
-  at::Tensor cu = as_i32(cu_in, "cu_seqlens_q");
-  at::Tensor kvl = as_i32(kv_lens_in, "kv_lens");
+  at::Tensor cu = int32_arg(cu_in, "cu_seqlens_q");
+  at::Tensor kvl = int32_arg(kv_lens_in, "kv_lens");
   const int64_t B = kvl.numel();
   TORCH_CHECK(kvl.dim() == 1, "kv_lens must be [B], got shape ", kvl.sizes());
   TORCH_CHECK(cu.dim() == 1 && cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1,

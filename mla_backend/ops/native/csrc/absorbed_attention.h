@@ -186,6 +186,31 @@ void merge_splits(const Params& P, const std::vector<std::pair<int64_t, int64_t>
   });
 }
 
+// The per-token kv splits of the sparse and key-set calls (T tokens x H heads, ns splits each):
+// their partials' storage (sized and pointed to by P when ns > 1), then the merge, each token
+// as a request of one query token.
+struct TokenSplits {
+  std::vector<float> part;
+  TokenSplits(Params& P, int64_t T, int64_t ns) {
+    if (ns <= 1) return;
+    part.resize(static_cast<size_t>(T * P.H * ns * (P.r + 1)));
+    P.part_o = part.data();
+    P.part_lse = part.data() + T * P.H * ns * P.r;
+  }
+  static void merge(const Params& P, int64_t T, int64_t ns, DType qdt, const Parallel& par) {
+    if (ns <= 1) return;
+    std::vector<int32_t> ident(static_cast<size_t>(T + 1));
+    for (int64_t t = 0; t <= T; ++t) ident[t] = static_cast<int32_t>(t);
+    Params M = P;
+    M.cu = ident.data();
+    std::vector<std::pair<int64_t, int64_t>> reqs;
+    for (int64_t t = 0; t < T; ++t) reqs.push_back({t, ns});
+    if (qdt == DType::kBF16) merge_splits<vec::bf16_t>(M, reqs, par);
+    else if (qdt == DType::kF16) merge_splits<vec::fp16_t>(M, reqs, par);
+    else merge_splits<float>(M, reqs, par);
+  }
+};
+
 // ---- the whole call ------------------------------------------------------------------------
 // Checks P against b (validate: a refusal returns its message, nothing read or written), then
 // plans the work items of P's batch (request, block of <= kMaxRows query rows -- kAmxRows for

@@ -291,7 +291,7 @@ inline std::string keyset_attention(Params P, const Bounds& b, const KeySet& S_i
   KeySet S = S_in;
   std::vector<int32_t> copy1, copy2;
   drop_keyset_repeats(S, tk, b.T, copy1, copy2);
-  const int64_t T = b.T, H = P.H, r = P.r;
+  const int64_t T = b.T, H = P.H;
   if (T == 0) return {};
   bool dense = S.range && !S.idx && !S.idx2;
   for (int64_t t = 0; dense && t < T; ++t) dense = tk.start[t] == 0;
@@ -327,26 +327,11 @@ inline std::string keyset_attention(Params P, const Bounds& b, const KeySet& S_i
       }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& c) { return a.cost > c.cost; });
-  std::vector<float> part;
-  if (ns > 1) {
-    part.resize(static_cast<size_t>(T * H * ns * (r + 1)));
-    P.part_o = part.data();
-    P.part_lse = part.data() + T * H * ns * r;
-  }
+  const TokenSplits splits(P, T, ns);
   if (qdt == DType::kBF16) run_keyset_engines<vec::bf16_t>(P, S, tk, items, amx, mode, engine, par);
   else if (qdt == DType::kF16) run_keyset_engines<vec::fp16_t>(P, S, tk, items, amx, mode, engine, par);
   else run_keyset_engines<float>(P, S, tk, items, amx, mode, engine, par);
-  if (ns > 1) {  // each token as a request of one query token: merge_splits's rows
-    std::vector<int32_t> ident(static_cast<size_t>(T + 1));
-    for (int64_t t = 0; t <= T; ++t) ident[t] = static_cast<int32_t>(t);
-    Params M = P;
-    M.cu = ident.data();
-    std::vector<std::pair<int64_t, int64_t>> reqs;
-    for (int64_t t = 0; t < T; ++t) reqs.push_back({t, ns});
-    if (qdt == DType::kBF16) merge_splits<vec::bf16_t>(M, reqs, par);
-    else if (qdt == DType::kF16) merge_splits<vec::fp16_t>(M, reqs, par);
-    else merge_splits<float>(M, reqs, par);
-  }
+  TokenSplits::merge(P, T, ns, qdt, par);
   return {};
 }
 
@@ -354,17 +339,6 @@ inline std::string keyset_attention(Params P, const Bounds& b, const KeySet& S_i
 
 #ifndef MLA_CORE_ONLY
 // ---- torch layer (declared in ops.h, registered in api.cpp) -----------------------------
-namespace {
-
-at::Tensor keyset_i32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " dtype ", t.scalar_type(),
-              " is not supported; use int32");
-  return t.to(at::kInt).contiguous();
-}
-
-}  // namespace
-
 void keyset_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, const at::Tensor& kv_cache,
                       const at::Tensor& block_table_in, const at::Tensor& cu_in, const at::Tensor& kv_lens_in,
                       bool range, const c10::optional<at::Tensor>& window_in,
@@ -399,8 +373,8 @@ void keyset_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, con
   TORCH_CHECK(!(engine & core::kEngineAmx) || core::amx_available(), "engine=", engine, ": no AMX here");
   at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
   at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
-  at::Tensor bt = keyset_i32(block_table_in, "block_table"), cu = keyset_i32(cu_in, "cu_seqlens_q");
-  at::Tensor kvl = keyset_i32(kv_lens_in, "kv_lens");
+  at::Tensor bt = int32_arg(block_table_in, "block_table"), cu = int32_arg(cu_in, "cu_seqlens_q");
+  at::Tensor kvl = int32_arg(kv_lens_in, "kv_lens");
   TORCH_CHECK(bt.dim() == 2, "block_table [B, pages] expected, got ", bt.sizes());
   const int64_t B = kvl.numel();
   TORCH_CHECK(cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1, "], got ", cu.sizes());
@@ -417,12 +391,12 @@ void keyset_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, con
   S.range = range;
   at::Tensor window, idx, bt2, len2, idx2, sink;
   if (window_in.has_value() && window_in->defined()) {
-    window = keyset_i32(*window_in, "window");
+    window = int32_arg(*window_in, "window");
     TORCH_CHECK(window.numel() == B, "window must be [B] = [", B, "], got ", window.sizes());
     S.window = window.data_ptr<int32_t>();
   }
   if (indices_in.has_value() && indices_in->defined()) {
-    idx = keyset_i32(*indices_in, "indices");
+    idx = int32_arg(*indices_in, "indices");
     TORCH_CHECK(idx.dim() == 2 && idx.size(0) == T, "indices [T, k] expected, got ", idx.sizes());
     S.idx = idx.data_ptr<int32_t>(), S.K = idx.size(1), S.idx_s0 = idx.stride(0);
   }
@@ -434,10 +408,10 @@ void keyset_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, con
                     c2.stride(2) == 1,
                 "the second cache must be a CPU [pages, page_size, ", kv_cache.size(2), "] ", cdt,
                 " tensor (the main cache's rows), got ", c2.scalar_type(), " ", c2.sizes());
-    idx2 = keyset_i32(*indices2_in, "extra_indices");
+    idx2 = int32_arg(*indices2_in, "extra_indices");
     TORCH_CHECK(idx2.dim() == 2 && idx2.size(0) == T, "extra_indices [T, k] expected, got ", idx2.sizes());
-    bt2 = keyset_i32(*block_table2_in, "second block_table");
-    len2 = keyset_i32(*lens2_in, "second lens");
+    bt2 = int32_arg(*block_table2_in, "second block_table");
+    len2 = int32_arg(*lens2_in, "second lens");
     TORCH_CHECK(bt2.dim() == 2 && len2.numel() == B, "second block_table [B, pages] and lens [B] expected, got ",
                 bt2.sizes(), ", ", len2.sizes());
     const int64_t ces = c2.element_size();

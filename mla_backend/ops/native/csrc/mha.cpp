@@ -99,30 +99,50 @@ float softmax_block(float* s, int64_t lim, float scale, float& m, float& l) {
   return alpha;
 }
 
-// query blocks (head, block of kBM rows) [i0, i1)
+// The keys a query block sees: the causal (or full) range. Any other set of visible keys is a
+// type with the same three members (sparse_mha.cpp's mask):
+//   end(q0, M)  -- key blocks [0, end) to stream for rows [q0, q0 + M)
+//   skip(qb, kb) -- whether no row of query block qb sees a key of block kb
+//   limit(q0 + r, j0, s) -- row q0 + r's visible keys of the block starting at j0: the count
+//       of leading keys it may see (softmax_block masks the rest), after setting the scores s
+//       of any others among them to -inf
+struct CausalKeys {
+  const MhaArgs& a;
+  int64_t end(int64_t q0, int M) const {
+    return a.causal ? std::min(a.nkb(), cdiv(std::min<int64_t>(q0 + M, a.Lk), kCols)) : a.nkb();
+  }
+  bool skip(int64_t, int64_t) const { return false; }
+  int64_t limit(int64_t i, int64_t j0, float*) const {
+    const int64_t lim = std::min(kCols, a.Lk - j0);
+    return a.causal ? std::min(lim, i - j0 + 1) : lim;
+  }
+};
+
+// query blocks (head, block of kBM rows) [i0, i1) over the keys `keys` lets each row see
+template <class Keys>
 void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk, int64_t i0,
-                     int64_t i1) {
+                     int64_t i1, const Keys& keys) {
   const int64_t nkb = a.nkb(), nqb = cdiv(a.Lq, kBM), Dvp = a.dvp();
   std::vector<mla_core::AElem> aq(static_cast<size_t>(mla_core::a_panel_elems(a.D)));
   std::vector<mla_core::AElem> ap(static_cast<size_t>(mla_core::a_panel_elems(kCols)));
   std::vector<float> S(static_cast<size_t>(kBM * kCols)), O(static_cast<size_t>(kBM * Dvp));
   float m[kBM], l[kBM], alpha[kBM];
   for (int64_t it = i0; it < i1; ++it) {
-    const int64_t h = it / nqb, q0 = (it % nqb) * kBM;
+    const int64_t h = it / nqb, qb = it % nqb, q0 = qb * kBM;
     const int M = static_cast<int>(std::min(kBM, a.Lq - q0));
     std::fill(O.begin(), O.end(), 0.0f);
     std::fill(m, m + kBM, kNegInf);
     std::fill(l, l + kBM, 0.0f);
     const auto Aq = mla_core::pack_a(mla_core::at(a.q, h * a.qs0 + q0 * a.qs1), a.qs1, 1, M, a.D, aq.data());
-    const int64_t kb_end = a.causal ? std::min(nkb, cdiv(std::min<int64_t>(q0 + M, a.Lk), kCols)) : nkb;
+    const int64_t kb_end = keys.end(q0, M);
     for (int64_t kb = 0; kb < kb_end; ++kb) {
+      if (keys.skip(qb, kb)) continue;
       mla_core::gemm(Aq, kpk + (h * nkb + kb) * a.kblk(), kCols, kCols, S.data(), kCols, false);
       const int64_t j0 = kb * kCols;
       bool rescale = false;
       for (int r = 0; r < M; ++r) {
-        int64_t lim = std::min(kCols, a.Lk - j0);
-        if (a.causal) lim = std::min(lim, q0 + r - j0 + 1);
-        alpha[r] = softmax_block(S.data() + r * kCols, lim, a.scale, m[r], l[r]);
+        float* s = S.data() + r * kCols;
+        alpha[r] = softmax_block(s, keys.limit(q0 + r, j0, s), a.scale, m[r], l[r]);
         rescale |= alpha[r] != 1.0f;
       }
       if (rescale) {
@@ -150,6 +170,11 @@ void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk,
       }
     }
   }
+}
+
+// the causal (or full) attention's query blocks [i0, i1)
+void mha_query_items(const MhaArgs& a, const uint16_t* kpk, const uint16_t* vpk, int64_t i0, int64_t i1) {
+  mha_query_items(a, kpk, vpk, i0, i1, CausalKeys{a});
 }
 }  // namespace
 

@@ -94,4 +94,13 @@ inline core::DType dtype_of(at::ScalarType t) {
   return t == at::kBFloat16 ? core::DType::kBF16 : (t == at::kHalf ? core::DType::kF16 : core::DType::kF32);
 }
 
+// an index / length argument as the cores read it: a CPU int32 or int64 tensor, as contiguous
+// int32 (a copy unless it already is one)
+inline at::Tensor int32_arg(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " dtype ", t.scalar_type(),
+              " is not supported; use int32");
+  return t.to(at::kInt).contiguous();
+}
+
 }  // namespace mla_native

@@ -189,7 +189,7 @@ inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex
   SparseIndex S = S_in;
   std::vector<int32_t> deduped;
   drop_repeats(S, b.T, deduped);
-  const int64_t T = b.T, H = P.H, r = P.r, K = S.K;
+  const int64_t T = b.T, H = P.H, K = S.K;
   if (T == 0) return {};
   const bool amx = (engine & kEngineAmx) && qdt == DType::kBF16 && mode != kDs && amx_available() &&
                    H >= kAmxMinRows;
@@ -212,29 +212,14 @@ inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex
         it.cost = 0;
         items.push_back(it);
       }
-  std::vector<float> part;
-  if (ns > 1) {
-    part.resize(static_cast<size_t>(T * H * ns * (r + 1)));
-    P.part_o = part.data();
-    P.part_lse = part.data() + T * H * ns * r;
-  }
+  const TokenSplits splits(P, T, ns);
   const std::vector<Item> none;
   const std::vector<Item>& vec_items = amx ? none : items;
   const std::vector<Item>& amx_items = amx ? items : none;
   if (qdt == DType::kBF16) run_sparse_engines<vec::bf16_t>(P, S, vec_items, amx_items, mode, engine, par);
   else if (qdt == DType::kF16) run_sparse_engines<vec::fp16_t>(P, S, vec_items, amx_items, mode, engine, par);
   else run_sparse_engines<float>(P, S, vec_items, amx_items, mode, engine, par);
-  if (ns > 1) {  // each token as a request of one query token: merge_splits's rows
-    std::vector<int32_t> ident(static_cast<size_t>(T + 1));
-    for (int64_t t = 0; t <= T; ++t) ident[t] = static_cast<int32_t>(t);
-    Params M = P;
-    M.cu = ident.data();
-    std::vector<std::pair<int64_t, int64_t>> reqs;
-    for (int64_t t = 0; t < T; ++t) reqs.push_back({t, ns});
-    if (qdt == DType::kBF16) merge_splits<vec::bf16_t>(M, reqs, par);
-    else if (qdt == DType::kF16) merge_splits<vec::fp16_t>(M, reqs, par);
-    else merge_splits<float>(M, reqs, par);
-  }
+  TokenSplits::merge(P, T, ns, qdt, par);
   return {};
 }
 
@@ -242,17 +227,6 @@ inline std::string sparse_attention(Params P, const Bounds& b, const SparseIndex
 
 #ifndef MLA_CORE_ONLY
 // ---- torch layer (declared in ops.h, registered in api.cpp) -----------------------------
-namespace {
-
-at::Tensor as_i32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, " dtype ", t.scalar_type(),
-              " is not supported; use int32");
-  return t.to(at::kInt).contiguous();
-}
-
-}  // namespace
-
 void sparse_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, const at::Tensor& kv_cache,
                       const at::Tensor& block_table_in, const at::Tensor& cu_in, const at::Tensor& kv_lens_in,
                       const at::Tensor& indices_in, const at::Tensor& token_req_in, double softmax_scale,
@@ -284,9 +258,9 @@ void sparse_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, con
   TORCH_CHECK(!(engine & core::kEngineAmx) || core::amx_available(), "engine=", engine, ": no AMX here");
   at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
   at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
-  at::Tensor bt = as_i32(block_table_in, "block_table"), cu = as_i32(cu_in, "cu_seqlens_q");
-  at::Tensor kvl = as_i32(kv_lens_in, "kv_lens"), treq = as_i32(token_req_in, "token_req");
-  at::Tensor idx = as_i32(indices_in, "indices");
+  at::Tensor bt = int32_arg(block_table_in, "block_table"), cu = int32_arg(cu_in, "cu_seqlens_q");
+  at::Tensor kvl = int32_arg(kv_lens_in, "kv_lens"), treq = int32_arg(token_req_in, "token_req");
+  at::Tensor idx = int32_arg(indices_in, "indices");
   TORCH_CHECK(bt.dim() == 2 && idx.dim() == 2 && idx.size(0) == T && treq.numel() == T,
               "block_table [B, pages], indices [T, k] and token_req [T] expected, got ", bt.sizes(), ", ",
               idx.sizes(), ", ", treq.sizes());

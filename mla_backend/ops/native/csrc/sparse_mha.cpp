@@ -6,14 +6,14 @@
 //   strides), mask [Lq, Lk] bool (contiguous); o [H, Lq, Dv] bf16, lse [H, Lq] float32
 //   (natural log; -inf and o = 0 for a row whose mask is empty)
 //
-// The same two passes as mha.cpp, whose packing, softmax block and GEMM engine it
+// The same two passes as mha.cpp, whose packing, query-block loop and GEMM engine it
 // reuses: keys and values packed once per (head, block of 64 keys); work items (head, block of
 // 32 query rows) stream the key blocks, skipping every (32 rows x 64 keys) tile that no row of
 // the item selected (the tile flags are computed once per call, shared by the heads); the
 // scores of unselected keys are -inf before the online softmax.
 // The op is declared in ops.h and registered, with its schema, in api.cpp.
 #define MLA_CORE_ONLY 1
-#include "mha.cpp"  // its torch-free core: MhaArgs, mha_pack_items, softmax_block
+#include "mha.cpp"  // its torch-free core: MhaArgs, mha_pack_items, mha_query_items
 #undef MLA_CORE_ONLY
 
 #include <ATen/ATen.h>
@@ -40,60 +40,22 @@ void mask_tiles(const uint8_t* mask, int64_t Lq, int64_t Lk, uint8_t* tiles, int
   }
 }
 
-// query blocks (head, block of kBM rows) [i0, i1)
-void masked_query_items(const MhaArgs& a, const uint8_t* mask, const uint8_t* tiles,
-                        const uint16_t* kpk, const uint16_t* vpk, int64_t i0, int64_t i1) {
-  const int64_t nkb = a.nkb(), nqb = cdiv(a.Lq, kBM), Dvp = a.dvp();
-  std::vector<mla_core::AElem> aq(static_cast<size_t>(mla_core::a_panel_elems(a.D)));
-  std::vector<mla_core::AElem> ap(static_cast<size_t>(mla_core::a_panel_elems(kCols)));
-  std::vector<float> S(static_cast<size_t>(kBM * kCols)), O(static_cast<size_t>(kBM * Dvp));
-  float m[kBM], l[kBM], alpha[kBM];
-  for (int64_t it = i0; it < i1; ++it) {
-    const int64_t h = it / nqb, qb = it % nqb, q0 = qb * kBM;
-    const int M = static_cast<int>(std::min(kBM, a.Lq - q0));
-    std::fill(O.begin(), O.end(), 0.0f);
-    std::fill(m, m + kBM, kNegInf);
-    std::fill(l, l + kBM, 0.0f);
-    const auto Aq = mla_core::pack_a(a.q + h * a.qs0 + q0 * a.qs1, a.qs1, 1, M, a.D, aq.data());
-    for (int64_t kb = 0; kb < nkb; ++kb) {
-      if (!tiles[qb * nkb + kb]) continue;  // no row of this block selected a key of it
-      mla_core::gemm(Aq, kpk + (h * nkb + kb) * a.kblk(), kCols, kCols, S.data(), kCols, false);
-      const int64_t j0 = kb * kCols, lim = std::min(kCols, a.Lk - j0);
-      bool rescale = false;
-      for (int r = 0; r < M; ++r) {
-        const uint8_t* sel = mask + (q0 + r) * a.Lk + j0;
-        float* s = S.data() + r * kCols;
-        for (int64_t j = 0; j < lim; ++j)
-          if (!sel[j]) s[j] = kNegInf;
-        alpha[r] = softmax_block(s, lim, a.scale, m[r], l[r]);
-        rescale |= alpha[r] != 1.0f;
-      }
-      if (rescale) {
-        for (int r = 0; r < M; ++r) {
-          if (alpha[r] == 1.0f) continue;
-          const VecF va = VecF::set1(alpha[r]);
-          float* orow = O.data() + r * Dvp;
-          for (int64_t c = 0; c < Dvp; c += VecF::W) (VecF::load(orow + c) * va).store(orow + c);
-        }
-      }
-      const auto Ap = mla_core::pack_a_f32(S.data(), kCols, M, kCols, ap.data());
-      mla_core::gemm(Ap, vpk + (h * nkb + kb) * a.vblk(), Dvp, Dvp, O.data(), Dvp, true);
-    }
-    for (int r = 0; r < M; ++r) {
-      uint16_t* orow = a.o + (h * a.Lq + q0 + r) * a.Dv;
-      float* acc = O.data() + r * Dvp;
-      if (l[r] > 0.0f) {
-        const VecF inv = VecF::set1(1.0f / l[r]);
-        for (int64_t c = 0; c < Dvp; c += VecF::W) (VecF::load(acc + c) * inv).store(acc + c);
-        mla_core::store_bf16(acc, Dvp, 1, a.Dv, orow, 0, 1);
-        a.lse[h * a.Lq + q0 + r] = m[r] + std::log(l[r]);
-      } else {
-        std::fill(orow, orow + a.Dv, uint16_t(0));
-        a.lse[h * a.Lq + q0 + r] = kNegInf;
-      }
-    }
+// The keys a row sees (mha_query_items' Keys): the ones its mask row selects; a tile no row of
+// the query block selected is skipped.
+struct MaskedKeys {
+  const uint8_t* mask;   // [Lq, Lk]
+  const uint8_t* tiles;  // [nqb, nkb] (mask_tiles)
+  int64_t Lk, nkb;
+  int64_t end(int64_t, int) const { return nkb; }
+  bool skip(int64_t qb, int64_t kb) const { return !tiles[qb * nkb + kb]; }
+  int64_t limit(int64_t i, int64_t j0, float* s) const {
+    const int64_t lim = std::min(kCols, Lk - j0);
+    const uint8_t* sel = mask + i * Lk + j0;
+    for (int64_t j = 0; j < lim; ++j)
+      if (!sel[j]) s[j] = kNegInf;
+    return lim;
   }
-}
+};
 
 }  // namespace
 
@@ -138,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> masked_attention_with_lse(const at::Tensor& q
   std::vector<uint16_t> kpk(static_cast<size_t>(H * nkb * a.kblk())), vpk(static_cast<size_t>(H * nkb * a.vblk()));
   at::parallel_for(0, H * nkb, 1, [&](int64_t b, int64_t e) { mha_pack_items(a, kpk.data(), vpk.data(), b, e); });
   at::parallel_for(0, H * nqb, 1, [&](int64_t b, int64_t e) {
-    masked_query_items(a, mk, tiles.data(), kpk.data(), vpk.data(), b, e);
+    mha_query_items(a, kpk.data(), vpk.data(), b, e, MaskedKeys{mk, tiles.data(), Lk, nkb});
   });
   return {o, lse};
 }

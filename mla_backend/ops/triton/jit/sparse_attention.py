@@ -86,6 +86,103 @@ def _store_chunk(base, acc, l_safe, c: tl.constexpr, offs_c, r_dim, row_ok, CHUN
 
 
 @triton.jit
+def _paged_rows(pos, ok, bt_row, page_size, kv_ptr, stride_p, stride_s):
+    """Row pointers [BLOCK_N] of logical positions ``pos`` through a request's block table row
+    (masked entries: page 0, never read)."""
+    pos = tl.where(ok, pos, 0)
+    page = tl.load(bt_row + pos // page_size, mask=ok, other=0).to(tl.int64)
+    return kv_ptr + page * stride_p + (pos % page_size).to(tl.int64) * stride_s
+
+
+@triton.jit
+def _load_queries(q_lat_ptr, q_pe_ptr, t, heads64, h_ok, offs_c, offs_p, r_dim, rope_dim,
+                  stride_qlt, stride_qlh, stride_qpt, stride_qph, BLOCK_H: tl.constexpr,
+                  BLOCK_ROPE: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+                  HAS_ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """Token t's queries for heads ``heads64``: the latent's chunks q0..q3 [BLOCK_H, CHUNK]
+    (chunks past NUM_CHUNKS: q0, unused) and q_pe [BLOCK_H, BLOCK_ROPE] (zeros without rope),
+    in the dot dtype."""
+    q_base = q_lat_ptr + t * stride_qlt + heads64[:, None] * stride_qlh
+    q_mask = h_ok[:, None]
+    q0 = tl.load(q_base + offs_c[None, :], mask=q_mask & (offs_c < r_dim)[None, :], other=0.0)
+    q0 = q0.to(DOT_DTYPE)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NUM_CHUNKS > 1:
+        cols = CHUNK + offs_c
+        q1 = tl.load(q_base + cols[None, :], mask=q_mask & (cols < r_dim)[None, :], other=0.0)
+        q1 = q1.to(DOT_DTYPE)
+    if NUM_CHUNKS > 2:
+        cols = 2 * CHUNK + offs_c
+        q2 = tl.load(q_base + cols[None, :], mask=q_mask & (cols < r_dim)[None, :], other=0.0)
+        q2 = q2.to(DOT_DTYPE)
+    if NUM_CHUNKS > 3:
+        cols = 3 * CHUNK + offs_c
+        q3 = tl.load(q_base + cols[None, :], mask=q_mask & (cols < r_dim)[None, :], other=0.0)
+        q3 = q3.to(DOT_DTYPE)
+    q_pe = tl.zeros([BLOCK_H, BLOCK_ROPE], dtype=DOT_DTYPE)
+    if HAS_ROPE:
+        q_pe = tl.load(
+            q_pe_ptr + t * stride_qpt + heads64[:, None] * stride_qph + offs_p[None, :],
+            mask=q_mask & (offs_p < rope_dim)[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
+    return q0, q1, q2, q3, q_pe
+
+
+@triton.jit
+def _keys_step(rows, ok, q0, q1, q2, q3, q_pe, m_i, l_i, acc0, acc1, acc2, acc3, offs_c, offs_p,
+               r_dim, rope_dim, scale_offset, rope_offset, qk_scale,
+               CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_ROPE: tl.constexpr,
+               FP8_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr,
+               IEEE: tl.constexpr, ROUND_BF16: tl.constexpr, DS: tl.constexpr,
+               ROPE_DTYPE: tl.constexpr):  # fmt: skip
+    """One block of rows (``rows`` [BLOCK_N] pointers, ``ok`` their mask) into the online
+    softmax state (m_i, l_i, acc0..acc3)."""
+    kv0 = _load_chunk(rows, 0, offs_c, r_dim, ok, CHUNK, FP8_BITS)
+    sc0 = _chunk_scale(rows, 0, scale_offset, ok, DS)
+    s = _qk(q0, kv0, sc0, DS, DOT_DTYPE, IEEE)
+    if NUM_CHUNKS > 1:
+        kv1 = _load_chunk(rows, 1, offs_c, r_dim, ok, CHUNK, FP8_BITS)
+        sc1 = _chunk_scale(rows, 1, scale_offset, ok, DS)
+        s += _qk(q1, kv1, sc1, DS, DOT_DTYPE, IEEE)
+    if NUM_CHUNKS > 2:
+        kv2 = _load_chunk(rows, 2, offs_c, r_dim, ok, CHUNK, FP8_BITS)
+        sc2 = _chunk_scale(rows, 2, scale_offset, ok, DS)
+        s += _qk(q2, kv2, sc2, DS, DOT_DTYPE, IEEE)
+    if NUM_CHUNKS > 3:
+        kv3 = _load_chunk(rows, 3, offs_c, r_dim, ok, CHUNK, FP8_BITS)
+        sc3 = _chunk_scale(rows, 3, scale_offset, ok, DS)
+        s += _qk(q3, kv3, sc3, DS, DOT_DTYPE, IEEE)
+    if HAS_ROPE:
+        pe_mask = ok[:, None] & (offs_p < rope_dim)[None, :]
+        if DS:  # k_pe unquantized, in the compute dtype, at its byte offset
+            pe_row = (rows + rope_offset).to(tl.pointer_type(ROPE_DTYPE))
+            k_pe = tl.load(pe_row[:, None] + offs_p[None, :], mask=pe_mask, other=0.0)
+        else:
+            k_pe = tl.load(rows[:, None] + r_dim + offs_p[None, :], mask=pe_mask, other=0.0)
+            if FP8_BITS:
+                k_pe = _e4m3_bits_to_f32(k_pe)
+        s += _dot(q_pe, tl.trans(k_pe.to(DOT_DTYPE)), IEEE)
+    s = (s * qk_scale).to(tl.float32)
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc0 = _pv(acc0, alpha, p, kv0, sc0, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
+    if NUM_CHUNKS > 1:
+        acc1 = _pv(acc1, alpha, p, kv1, sc1, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
+    if NUM_CHUNKS > 2:
+        acc2 = _pv(acc2, alpha, p, kv2, sc2, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
+    if NUM_CHUNKS > 3:
+        acc3 = _pv(acc3, alpha, p, kv3, sc3, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def sparse_attn_kernel(
     q_lat_ptr,  # [T, H, r]
     q_pe_ptr,  # [T, H, rope] (unused when not HAS_ROPE)
@@ -150,32 +247,14 @@ def sparse_attn_kernel(
     offs_p = tl.arange(0, BLOCK_ROPE)
     offs_n0 = tl.arange(0, BLOCK_N)
 
-    q_base = q_lat_ptr + t * stride_qlt + heads64[:, None] * stride_qlh
-    q_mask = h_ok[:, None]
-    q0 = tl.load(q_base + offs_c[None, :], mask=q_mask & (offs_c < r_dim)[None, :], other=0.0)
-    q0 = q0.to(DOT_DTYPE)
+    q0, q1, q2, q3, q_pe = _load_queries(
+        q_lat_ptr, q_pe_ptr, t, heads64, h_ok, offs_c, offs_p, r_dim, rope_dim, stride_qlt,
+        stride_qlh, stride_qpt, stride_qph, BLOCK_H, BLOCK_ROPE, NUM_CHUNKS, CHUNK, HAS_ROPE,
+        DOT_DTYPE)  # fmt: skip
     acc0 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-    if NUM_CHUNKS > 1:
-        cols = CHUNK + offs_c
-        q1 = tl.load(q_base + cols[None, :], mask=q_mask & (cols < r_dim)[None, :], other=0.0)
-        q1 = q1.to(DOT_DTYPE)
-        acc1 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-    if NUM_CHUNKS > 2:
-        cols = 2 * CHUNK + offs_c
-        q2 = tl.load(q_base + cols[None, :], mask=q_mask & (cols < r_dim)[None, :], other=0.0)
-        q2 = q2.to(DOT_DTYPE)
-        acc2 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-    if NUM_CHUNKS > 3:
-        cols = 3 * CHUNK + offs_c
-        q3 = tl.load(q_base + cols[None, :], mask=q_mask & (cols < r_dim)[None, :], other=0.0)
-        q3 = q3.to(DOT_DTYPE)
-        acc3 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-    if HAS_ROPE:
-        q_pe = tl.load(
-            q_pe_ptr + t * stride_qpt + heads64[:, None] * stride_qph + offs_p[None, :],
-            mask=q_mask & (offs_p < rope_dim)[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
+    acc1 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
 
     qk_scale = qk_scale_log2
     if HAS_SCALE:
@@ -191,50 +270,11 @@ def sparse_attn_kernel(
         offs_n = k0 + offs_n0
         idx = tl.load(idx_row + offs_n, mask=offs_n < k_hi, other=-1)
         ok = (idx >= 0) & (idx < kv_len)  # out of range: masked (and refused by the wrapper)
-        pos = tl.where(ok, idx, 0)
-        page = tl.load(bt_row + pos // page_size, mask=ok, other=0).to(tl.int64)
-        rows = kv_ptr + page * stride_kvp + (pos % page_size).to(tl.int64) * stride_kvs
-
-        kv0 = _load_chunk(rows, 0, offs_c, r_dim, ok, CHUNK, FP8_BITS)
-        sc0 = _chunk_scale(rows, 0, scale_offset, ok, DS)
-        s = _qk(q0, kv0, sc0, DS, DOT_DTYPE, IEEE)
-        if NUM_CHUNKS > 1:
-            kv1 = _load_chunk(rows, 1, offs_c, r_dim, ok, CHUNK, FP8_BITS)
-            sc1 = _chunk_scale(rows, 1, scale_offset, ok, DS)
-            s += _qk(q1, kv1, sc1, DS, DOT_DTYPE, IEEE)
-        if NUM_CHUNKS > 2:
-            kv2 = _load_chunk(rows, 2, offs_c, r_dim, ok, CHUNK, FP8_BITS)
-            sc2 = _chunk_scale(rows, 2, scale_offset, ok, DS)
-            s += _qk(q2, kv2, sc2, DS, DOT_DTYPE, IEEE)
-        if NUM_CHUNKS > 3:
-            kv3 = _load_chunk(rows, 3, offs_c, r_dim, ok, CHUNK, FP8_BITS)
-            sc3 = _chunk_scale(rows, 3, scale_offset, ok, DS)
-            s += _qk(q3, kv3, sc3, DS, DOT_DTYPE, IEEE)
-        if HAS_ROPE:
-            pe_mask = ok[:, None] & (offs_p < rope_dim)[None, :]
-            if DS:  # k_pe unquantized, in the compute dtype, at its byte offset
-                pe_row = (rows + rope_offset).to(tl.pointer_type(ROPE_DTYPE))
-                k_pe = tl.load(pe_row[:, None] + offs_p[None, :], mask=pe_mask, other=0.0)
-            else:
-                k_pe = tl.load(rows[:, None] + r_dim + offs_p[None, :], mask=pe_mask, other=0.0)
-                if FP8_BITS:
-                    k_pe = _e4m3_bits_to_f32(k_pe)
-            s += _dot(q_pe, tl.trans(k_pe.to(DOT_DTYPE)), IEEE)
-        s = (s * qk_scale).to(tl.float32)
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc0 = _pv(acc0, alpha, p, kv0, sc0, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
-        if NUM_CHUNKS > 1:
-            acc1 = _pv(acc1, alpha, p, kv1, sc1, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
-        if NUM_CHUNKS > 2:
-            acc2 = _pv(acc2, alpha, p, kv2, sc2, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
-        if NUM_CHUNKS > 3:
-            acc3 = _pv(acc3, alpha, p, kv3, sc3, DS, P_DTYPE, DOT_DTYPE, IEEE, ROUND_BF16)
-        m_i = m_new
+        rows = _paged_rows(idx, ok, bt_row, page_size, kv_ptr, stride_kvp, stride_kvs)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _keys_step(
+            rows, ok, q0, q1, q2, q3, q_pe, m_i, l_i, acc0, acc1, acc2, acc3, offs_c, offs_p,
+            r_dim, rope_dim, scale_offset, rope_offset, qk_scale, CHUNK, NUM_CHUNKS, HAS_ROPE,
+            FP8_BITS, DOT_DTYPE, P_DTYPE, IEEE, ROUND_BF16, DS, ROPE_DTYPE)  # fmt: skip
 
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
