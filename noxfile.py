@@ -139,8 +139,9 @@ def lint(session: nox.Session) -> None:
 @_removes_its_env
 def core(session: nox.Session) -> None:
     """Core library tests against the installed wheel: once with the device's default kernels
-    (the native C++ kernels on CPU, compiled on first use), once forced onto the torch
-    fallback."""
+    (the native C++ kernels on CPU, compiled on first use), then the tests that use the default
+    implementation again, forced onto the torch fallback (those that name theirs already ran
+    both)."""
     session.install(TORCH)
     _install_wheel(session, "test")
     _pytest_installed(session, *CORE_TESTS)
@@ -149,7 +150,8 @@ def core(session: nox.Session) -> None:
         *CORE_TESTS,
         f"--ignore={ROOT / 'tests/test_native.py'}",
         f"--ignore={ROOT / 'tests/test_sparse.py'}",  # names its implementations itself
-        env={"MLA_BACKEND_IMPL": "torch"},
+        # the tests that name their implementation (kernels / isa) ran in the first pass
+        env={"MLA_BACKEND_IMPL": "torch", "MLA_TEST_DEFAULT_IMPL_ONLY": "1"},
     )
 
 

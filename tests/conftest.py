@@ -25,6 +25,21 @@ if os.environ.get("MLA_TEST_INSTALLED") == "1":  # the nox sessions that test th
         )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``MLA_TEST_DEFAULT_IMPL_ONLY=1`` (the core session's second pass, forced onto the torch
+    implementation): only the tests that run on the default implementation; those that name
+    theirs (the ``kernels`` / ``isa`` fixtures) ran in the first pass and would run the same."""
+    if os.environ.get("MLA_TEST_DEFAULT_IMPL_ONLY") != "1":
+        return
+    keep, named = [], []
+    for item in items:
+        uses = getattr(item, "fixturenames", ())
+        (named if "kernels" in uses or "isa" in uses else keep).append(item)
+    if named:
+        config.hook.pytest_deselected(items=named)
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _threads() -> None:
     torch.set_num_threads(2)
