@@ -148,8 +148,11 @@ def core(session: nox.Session) -> None:
     _pytest_installed(
         session,
         *CORE_TESTS,
-        f"--ignore={ROOT / 'tests/test_native.py'}",
-        f"--ignore={ROOT / 'tests/test_sparse.py'}",  # names its implementations itself
+        # the native kernels' own tests (builds, ISA detection, sources, the CPU shim) and
+        # test_sparse.py (names its implementations itself) would run the same again
+        f"--ignore-glob={ROOT / 'tests/test_native*.py'}",
+        f"--ignore={ROOT / 'tests/test_cpu_imitation.py'}",
+        f"--ignore={ROOT / 'tests/test_sparse.py'}",
         # the tests that name their implementation (kernels / isa) ran in the first pass
         env={"MLA_BACKEND_IMPL": "torch", "MLA_TEST_DEFAULT_IMPL_ONLY": "1"},
     )
@@ -219,9 +222,10 @@ def wheel(session: nox.Session) -> None:
 @_removes_its_env
 def vllm(session: nox.Session) -> None:
     """The vLLM integration tests with the project installed editable (for working on the
-    adapter; CI runs them against the wheel in ``wheel``)."""
+    adapter), the ones marked slow included (the server soak, DCP and fp8-accuracy engine runs);
+    CI runs the others against the wheel in ``wheel``."""
     _vllm_env(session)
-    _pytest(session, "integrations/vllm/tests")
+    _pytest(session, "integrations/vllm/tests", "-m", "slow or not slow")
 
 
 @nox.session

@@ -64,6 +64,10 @@ from mla_backend.testing.oracle import teacher_forced_logprobs
 
 from . import _server
 
+# Under -m slow: CI (the wheel / sglang sessions) runs what is not marked slow, within its
+# 60 minutes on 2 cores; `python3 -m nox -s sglang -- -m "slow or not slow"` runs these too.
+pytestmark = pytest.mark.slow  # a server soak
+
 LOGPROB_ATOL = 1e-3
 TIE_NATS = 1e-4
 VOCAB = 10240

@@ -31,6 +31,10 @@ from conftest import (
 )
 from test_e2e import _check_exact
 
+# Under -m slow: CI (the wheel / sglang sessions) runs what is not marked slow, within its
+# 60 minutes on 2 cores; `python3 -m nox -s vllm` runs these too.
+pytestmark = pytest.mark.slow  # TP 2 x DCP 2 engines, oversubscribed on 2 cores
+
 TP, DCP = 2, 2
 BLOCK = 16
 

@@ -173,6 +173,7 @@ def test_glm5_sparse_compiled_matches_fp8_indexer_reference(dsa_dirs) -> None:
 # ---------------------------------------------------------------------------------------------
 # Tensor parallel 2 (oversubscribed on a 2-core machine: one core per rank).
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # two engine ranks on 2 cores: under -m slow (CI's time)
 def test_v32_sparse_tensor_parallel_2(dsa_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     llm = make_llm(

@@ -79,6 +79,10 @@ from mla_backend.cache_layout import CacheLayout
 from mla_backend.fp8 import FP8_DTYPE, FP8_MAX
 from mla_backend.testing.tiny_model import PRESETS, make_tiny_deepseek_v2
 
+# Under -m slow: CI (the wheel / sglang sessions) runs what is not marked slow, within its
+# 60 minutes on 2 cores; `python3 -m nox -s vllm` runs these too.
+pytestmark = pytest.mark.slow  # an engine run per cache format
+
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "standard": dict(PRESETS["default"]),
     "stressed": dict(PRESETS["default"], kv_a_norm_span=(0.05, 20.0)),
