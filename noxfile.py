@@ -149,10 +149,11 @@ def core(session: nox.Session) -> None:
         session,
         *CORE_TESTS,
         # the native kernels' own tests (builds, ISA detection, sources, the CPU shim) and
-        # test_sparse.py (names its implementations itself) would run the same again
+        # the modules that name their implementations would run the same again
         f"--ignore-glob={ROOT / 'tests/test_native*.py'}",
         f"--ignore={ROOT / 'tests/test_cpu_imitation.py'}",
         f"--ignore={ROOT / 'tests/test_sparse.py'}",
+        f"--ignore={ROOT / 'tests/test_accuracy.py'}",  # names its implementations itself
         # the tests that name their implementation (kernels / isa) ran in the first pass
         env={"MLA_BACKEND_IMPL": "torch", "MLA_TEST_DEFAULT_IMPL_ONLY": "1"},
     )

@@ -90,6 +90,7 @@ def _prefix_hits(llm: Any, base: list[int], seed: int) -> tuple[list[list[int]],
 # ---------------------------------------------------------------------------------------------
 # DeepSeek-V3.2, index_topk above every context: identical to unquantized transformers fp32.
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # one more engine run: under -m slow (CI's time; nox -s vllm runs it)
 def test_v32_topk_above_context_matches_transformers_fp32(dsa_dirs) -> None:
     llm = make_llm(
         dsa_dirs["v32_dense"],
@@ -150,6 +151,7 @@ def test_v32_sparse_negative_controls(dsa_dirs, v32_sparse_run) -> None:
 # ---------------------------------------------------------------------------------------------
 # GLM-5 shape (shared top-k layer, interleaved indexer RoPE, v 256 != nope 192), compiled mode.
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # one more engine run: under -m slow (CI's time; nox -s vllm runs it)
 def test_glm5_sparse_compiled_matches_fp8_indexer_reference(dsa_dirs) -> None:
     llm = make_llm(
         dsa_dirs["glm5_sparse"],
