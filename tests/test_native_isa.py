@@ -251,6 +251,7 @@ def test_bad_env_level_makes_the_kernels_unavailable_saying_why(monkeypatch):
         native.Kernels("avx9000")
 
 
+@pytest.mark.slow  # builds every level this CPU runs, one after another: minutes (CI's time)
 @pytest.mark.skipif(not native.host_isas(), reason="no native ISA level on this machine")
 def test_levels_load_side_by_side():
     """Every host level loads into this process under its own op namespace; the bf16 engine
