@@ -82,6 +82,12 @@ ROOT = Path(__file__).resolve().parent
 #: the core tests: tests/ without the Triton and core-driver folders (their own sessions)
 CORE_TESTS = (str(ROOT / "tests"), f"--ignore={ROOT / 'tests/triton_path'}",
               f"--ignore={ROOT / 'tests/native_core'}")  # fmt: skip
+#: pytest-xdist, two workers: most tests are bound by Python (small shapes, the Triton
+#: interpreter, engine and server start-up), so on CI's 2-core machines two processes take about
+#: half the time of one (measured in benchmarks/results/ci-time.md). ``worksteal`` for
+#: independent tests; ``loadfile`` where a module shares one engine or server.
+XDIST = ("-n", "2", "--dist", "worksteal")
+XDIST_BY_FILE = ("-n", "2", "--dist", "loadfile")
 
 
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
@@ -144,9 +150,10 @@ def core(session: nox.Session) -> None:
     both)."""
     session.install(TORCH)
     _install_wheel(session, "test")
-    _pytest_installed(session, *CORE_TESTS)
+    _pytest_installed(session, *XDIST, *CORE_TESTS)
     _pytest_installed(
         session,
+        *XDIST,
         *CORE_TESTS,
         # the native kernels' own tests (builds, ISA detection, sources, the CPU shim) and
         # the modules that name their implementations would run the same again
@@ -183,7 +190,9 @@ def triton(session: nox.Session) -> None:
     its interpreter needs NumPy < 2.4 (``range`` over a 0-d array fails with 2.4)."""
     session.install(TORCH)
     _install_wheel(session, "test,triton", TRITON, "numpy<2.4")
-    _pytest_installed(session, str(ROOT / "tests/triton_path"), env={"TRITON_INTERPRET": "1"})
+    _pytest_installed(
+        session, *XDIST, str(ROOT / "tests/triton_path"), env={"TRITON_INTERPRET": "1"}
+    )
 
 
 def _vllm_env(session: nox.Session, wheel: bool = False) -> None:
@@ -216,7 +225,7 @@ def wheel(session: nox.Session) -> None:
     and cached on first use) against MLA_ABSORB, with CPU_MLA as control. The core tests run on
     the same wheel and torch in ``core`` (not again here: CI's time)."""
     _vllm_env(session, wheel=True)
-    _pytest_installed(session, str(ROOT / "integrations/vllm/tests"))
+    _pytest_installed(session, *XDIST_BY_FILE, str(ROOT / "integrations/vllm/tests"))
     session.run("python", GRID, "--select", "slice")
 
 
@@ -227,7 +236,7 @@ def vllm(session: nox.Session) -> None:
     adapter), the ones marked slow included (the server soak, DCP and fp8-accuracy engine runs);
     CI runs the others against the wheel in ``wheel``."""
     _vllm_env(session)
-    _pytest(session, "integrations/vllm/tests", "-m", "slow or not slow")
+    _pytest(session, *XDIST_BY_FILE, "integrations/vllm/tests", "-m", "slow or not slow")
 
 
 @nox.session
@@ -260,4 +269,4 @@ def sglang(session: nox.Session) -> None:
     )
     session.install("ninja")  # builds the native CPU kernels on first use
     session.install("--no-deps", "-e", ".")
-    _pytest(session, "integrations/sglang/tests")
+    _pytest(session, *XDIST_BY_FILE, "integrations/sglang/tests")
