@@ -107,6 +107,10 @@ def test_absorbed_as_accurate_as_plain_reference(impl, dtype, H, page_size, shap
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [16, 128])
 def test_normal_chunked_prefix_as_accurate_as_plain_reference(impl, dtype, H) -> None:
+    if H == 128 and (impl == "torch" or dtype == torch.float16):
+        # per head the same computation as at 16 heads; ~35 s a case on a 2-core CPU (the torch
+        # path's CPU GEMMs, the native fp16 conversions): 128 heads once, native bf16 (CI's time)
+        pytest.skip("128 heads run once: native, bfloat16")
     case = make_case(_dims(H), [300, 0, 70], [12, 40, 9], 16, dtype=dtype, seed=H)
     case.weights = mb.AbsorbWeights(case.weights.W_UK * 0.3, case.weights.W_UV)  # O(1) scores
     scale = case.dims.default_softmax_scale

@@ -50,20 +50,20 @@
 namespace mla_native {
 using namespace core;
 
-// ---- op: absorbed attention --------------------------------------------------------------
-std::tuple<at::Tensor, at::Tensor> absorbed_attention(
-    const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, const at::Tensor& kv_cache,
-    const at::Tensor& block_table_in, const at::Tensor& cu_in, const at::Tensor& kv_lens_in,
-    double softmax_scale, const c10::optional<at::Tensor>& kv_scale, int64_t num_kv_splits,
-    int64_t max_page_id, int64_t engine) {
+// ---- the arguments every op over the attention's engines takes (declared in ops.h) --------
+LatentArgs latent_args(const char* op, const at::Tensor& q_lat_in, const at::Tensor& q_pe_in,
+                       const at::Tensor& kv_cache, const at::Tensor& block_table_in, const at::Tensor& cu_in,
+                       const at::Tensor& kv_lens_in, double softmax_scale,
+                       const c10::optional<at::Tensor>& kv_scale, int64_t engine) {
   TORCH_CHECK(q_lat_in.device().is_cpu() && q_pe_in.device().is_cpu() && kv_cache.device().is_cpu(),
-              "mla native absorbed_attention: tensors must be on the CPU, got q_lat on ",
-              q_lat_in.device(), ", kv_cache on ", kv_cache.device());
+              "mla native ", op, ": tensors must be on the CPU, got q_lat on ", q_lat_in.device(),
+              ", kv_cache on ", kv_cache.device());
   TORCH_CHECK(q_lat_in.dim() == 3, "q_lat must be [T, H, r], got shape ", q_lat_in.sizes());
   TORCH_CHECK(q_pe_in.dim() == 3, "q_pe must be [T, H, rope], got shape ", q_pe_in.sizes());
   TORCH_CHECK(kv_cache.dim() == 3, "kv_cache must be [num_pages, page_size, r + rope], got shape ",
               kv_cache.sizes());
-  const auto qdt = q_lat_in.scalar_type();
+  LatentArgs a;
+  const auto qdt = a.qdt = q_lat_in.scalar_type();
   TORCH_CHECK(qdt == at::kBFloat16 || qdt == at::kHalf || qdt == at::kFloat,
               "q_lat dtype ", qdt, " is not supported; use one of ", dtype_list);
   TORCH_CHECK(q_pe_in.scalar_type() == qdt, "q_pe dtype ", q_pe_in.scalar_type(),
@@ -73,26 +73,24 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   const bool ds = cdt == at::kByte;  // fp8_ds_mla rows
   TORCH_CHECK(cdt == qdt || fp8 || ds, "kv_cache dtype ", cdt, " is not supported with q dtype ",
               qdt, "; the cache must have q's dtype, be float8_e4m3fn, or uint8 (fp8_ds_mla)");
-  const int64_t T = q_lat_in.size(0), H = q_lat_in.size(1), r = q_lat_in.size(2);
+  a.format = ds ? kDs : (fp8 ? kFp8 : kPlain);
+  const int64_t T = a.T = q_lat_in.size(0), H = q_lat_in.size(1), r = q_lat_in.size(2);
   const int64_t rope = q_pe_in.size(2);
   TORCH_CHECK(q_pe_in.size(0) == T && q_pe_in.size(1) == H, "q_pe shape ", q_pe_in.sizes(),
               " does not match q_lat shape ", q_lat_in.sizes());
-  const int64_t D = r + rope;
   const DsLayout dsl(r, rope, q_lat_in.element_size());
   if (ds) {
     TORCH_CHECK(kv_cache.size(2) == dsl.width, "fp8_ds_mla kv_cache last dim ", kv_cache.size(2),
                 " != the row width ", dsl.width, " bytes for r = ", r, ", rope = ", rope, " in ",
                 qdt);
   } else {
-    TORCH_CHECK(kv_cache.size(2) == D, "kv_cache last dim ", kv_cache.size(2), " != r + rope = ",
-                r, " + ", rope);
+    TORCH_CHECK(kv_cache.size(2) == r + rope, "kv_cache last dim ", kv_cache.size(2),
+                " != r + rope = ", r, " + ", rope);
   }
   TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous, got strides ",
               kv_cache.strides());
-  const int64_t page_size = kv_cache.size(1), num_pages = kv_cache.size(0);
   TORCH_CHECK(softmax_scale > 0.0 && std::isfinite(softmax_scale), "softmax_scale ", softmax_scale,
               " must be a finite positive number");
-  TORCH_CHECK(num_kv_splits >= 0, "num_kv_splits=", num_kv_splits, " must be >= 0 (0 = automatic)");
   if (engine < 0) engine = kEngineDefault;
   TORCH_CHECK(engine <= (kEngineBf16 | kEngineAmx), "engine=", engine,
               " is not supported; use a bit set of 1 (AVX512-BF16 engine) and 2 (AMX engine)");
@@ -102,8 +100,9 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
 #endif
   TORCH_CHECK(!(engine & kEngineAmx) || amx_available(), "engine=", engine,
               ": the AMX engine needs level amx and the OS's permission to use AMX tiles");
-  at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
-  at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
+  a.engine = engine;
+  a.q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
+  a.q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
 
   at::Tensor bt = block_table_in;
   TORCH_CHECK(bt.dim() == 2, "block_table must be [B, max_pages], got shape ", bt.sizes());
@@ -111,59 +110,68 @@ std::tuple<at::Tensor, at::Tensor> absorbed_attention(
   TORCH_CHECK(bt.scalar_type() == at::kInt || bt.scalar_type() == at::kLong, "block_table dtype ",
               bt.scalar_type(), " is not supported; use int32");
   if (bt.scalar_type() != at::kInt || bt.stride(1) != 1) bt = bt.to(at::kInt).contiguous();
-  at::Tensor cu = int32_arg(cu_in, "cu_seqlens_q");
-  at::Tensor kvl = int32_arg(kv_lens_in, "kv_lens");
-  const int64_t B = kvl.numel();
-  TORCH_CHECK(kvl.dim() == 1, "kv_lens must be [B], got shape ", kvl.sizes());
-  TORCH_CHECK(cu.dim() == 1 && cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1,
-              "], got shape ", cu.sizes());
-  float kvs = 1.0f;
+  a.bt = bt;
+  a.cu = int32_arg(cu_in, "cu_seqlens_q");
+  a.kvl = int32_arg(kv_lens_in, "kv_lens");
+  const int64_t B = a.kvl.numel();
+  TORCH_CHECK(a.kvl.dim() == 1, "kv_lens must be [B], got shape ", a.kvl.sizes());
+  TORCH_CHECK(a.cu.dim() == 1 && a.cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1,
+              "], got shape ", a.cu.sizes());
+  float kvs = 1.0f;  // fp8_ds_mla rows hold their own scales: kv_scale is not applied to them
   if (kv_scale.has_value() && kv_scale->defined()) {
     TORCH_CHECK(kv_scale->numel() == 1, "kv_scale must be a 0-d (one element) tensor, got shape ",
                 kv_scale->sizes());
     kvs = kv_scale->to(at::kCPU).to(at::kFloat).item<float>();
     TORCH_CHECK(std::isfinite(kvs) && kvs > 0.0f, "kv_scale = ", kvs, " must be finite and > 0");
   }
+  if (ds) kvs = 1.0f;
 
-  at::Tensor out = at::empty({T, H, r}, q_lat.options());
-  at::Tensor lse = at::empty({T, H}, q_lat.options().dtype(at::kFloat));
-
-  Params P;
-  P.H = H;
-  P.r = r;
-  P.rope = rope;
-  P.D = D;
-  P.B = B;
-  P.page_size = page_size;
-  P.num_pages = num_pages;
-  P.bt = bt.data_ptr<int32_t>();
-  P.bt_s0 = bt.stride(0);
-  P.cu = cu.data_ptr<int32_t>();
-  P.kvl = kvl.data_ptr<int32_t>();
-  const int64_t qes = q_lat.element_size();
-  P.qlat = static_cast<const char*>(q_lat.data_ptr());
-  P.ql_s0 = q_lat.stride(0) * qes;
-  P.ql_s1 = q_lat.stride(1) * qes;
-  P.qpe = static_cast<const char*>(q_pe.data_ptr());
-  P.qp_s0 = q_pe.stride(0) * qes;
-  P.qp_s1 = q_pe.stride(1) * qes;
+  Params& P = a.P;
+  P.H = H, P.r = r, P.rope = rope, P.D = r + rope, P.B = B;
+  P.page_size = kv_cache.size(1), P.num_pages = kv_cache.size(0);
+  P.bt = bt.data_ptr<int32_t>(), P.bt_s0 = bt.stride(0);
+  P.cu = a.cu.data_ptr<int32_t>(), P.kvl = a.kvl.data_ptr<int32_t>();
+  const int64_t qes = a.q_lat.element_size();
+  P.qlat = static_cast<const char*>(a.q_lat.data_ptr());
+  P.ql_s0 = a.q_lat.stride(0) * qes, P.ql_s1 = a.q_lat.stride(1) * qes;
+  P.qpe = static_cast<const char*>(a.q_pe.data_ptr());
+  P.qp_s0 = a.q_pe.stride(0) * qes, P.qp_s1 = a.q_pe.stride(1) * qes;
   const int64_t ces = kv_cache.element_size();
   P.cache = static_cast<const char*>(kv_cache.data_ptr());
-  P.c_s0 = kv_cache.stride(0) * ces;
-  P.c_s1 = kv_cache.stride(1) * ces;
+  P.c_s0 = kv_cache.stride(0) * ces, P.c_s1 = kv_cache.stride(1) * ces;
   P.row_bytes = kv_cache.size(2) * ces;
   P.score_scale = static_cast<float>(softmax_scale) * kvs;
   P.out_scale = kvs;
-  P.tiles = dsl.tiles;
-  P.ds_scale_off = dsl.scale_off;
-  P.ds_rope_off = dsl.rope_off;
-  P.out = static_cast<char*>(out.data_ptr());
-  P.lse = lse.data_ptr<float>();
+  P.tiles = dsl.tiles, P.ds_scale_off = dsl.scale_off, P.ds_rope_off = dsl.rope_off;
+  return a;
+}
 
-  const Bounds bounds{T, bt.size(0), bt.size(1), max_page_id};
-  const std::string err = core::absorbed_attention(P, bounds, dtype_of(qdt),
-                                                   ds ? kDs : (fp8 ? kFp8 : kPlain), num_kv_splits,
-                                                   torch_parallel(), static_cast<int>(engine));
+void set_outputs(LatentArgs& a, const at::Tensor& out, const at::Tensor& lse) {
+  const int64_t T = a.T, H = a.P.H, r = a.P.r;
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == a.qdt && out.is_contiguous() &&
+                  out.numel() == T * H * r && lse.device().is_cpu() && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.numel() == T * H,
+              "out [T, H, r] = [", T, ", ", H, ", ", r, "] in q's dtype ", a.qdt, " and lse [T, H] float32, ",
+              "contiguous CPU tensors, expected; got out ", out.scalar_type(), " ", out.sizes(), ", lse ",
+              lse.scalar_type(), " ", lse.sizes());
+  a.P.out = static_cast<char*>(out.data_ptr());
+  a.P.lse = lse.data_ptr<float>();
+}
+
+// ---- op: absorbed attention --------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> absorbed_attention(
+    const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& kv_cache,
+    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+    double softmax_scale, const c10::optional<at::Tensor>& kv_scale, int64_t num_kv_splits,
+    int64_t max_page_id, int64_t engine) {
+  TORCH_CHECK(num_kv_splits >= 0, "num_kv_splits=", num_kv_splits, " must be >= 0 (0 = automatic)");
+  LatentArgs a = latent_args("absorbed_attention", q_lat, q_pe, kv_cache, block_table, cu_seqlens_q,
+                             kv_lens, softmax_scale, kv_scale, engine);
+  at::Tensor out = at::empty({a.T, a.P.H, a.P.r}, a.q_lat.options());
+  at::Tensor lse = at::empty({a.T, a.P.H}, a.q_lat.options().dtype(at::kFloat));
+  set_outputs(a, out, lse);
+  const std::string err = core::absorbed_attention(a.P, a.bounds(max_page_id), dtype_of(a.qdt), a.format,
+                                                   num_kv_splits, torch_parallel(), static_cast<int>(a.engine));
   TORCH_CHECK(err.empty(), err);  // a refused index: nothing was read
   return {out, lse};
 }

@@ -1,7 +1,8 @@
 // ops.h: the torch layer's one header. Every op the extension registers is declared here, with
 // the file that defines it (one file per op, each over its torch-free core); api.cpp registers
 // them all, with their schemas, under MLA_OPS_NS. Also the helpers every torch-layer file
-// shares (threads through at::parallel_for, the storage dtype of a tensor, int32 index tensors).
+// shares (threads through at::parallel_for, the storage dtype of a tensor, int32 index tensors,
+// the checked arguments of the ops over the absorbed attention's engines).
 // Not part of the torch-free cores: the core test driver never includes it.
 #pragma once
 
@@ -102,5 +103,26 @@ inline at::Tensor int32_arg(const at::Tensor& t, const char* name) {
               " is not supported; use int32");
   return t.to(at::kInt).contiguous();
 }
+
+// The arguments every op over the absorbed attention's engines takes alike (absorbed, sparse and
+// key-set attention), checked once by latent_args (absorbed_attention.cpp; `op` names the op in
+// the device error): q_lat [T, H, r] / q_pe [T, H, rope] in bf16 / fp16 / fp32 (last dim made
+// contiguous), kv_cache [pages, page_size, W] in q's dtype, float8_e4m3fn or uint8 fp8_ds_mla
+// rows, block_table [B, pages] / cu_seqlens_q [B + 1] / kv_lens [B] as int32, softmax_scale > 0,
+// kv_scale (a one-element tensor, not applied to fp8_ds_mla rows), engine (-1: the level's
+// default). Holds the tensors P points into; P is filled but for out / lse (set_outputs: out
+// [T, H, r] in q's dtype and lse [T, H] float32, contiguous) and an op's own fields.
+struct LatentArgs {
+  at::Tensor q_lat, q_pe, bt, cu, kvl;
+  core::Params P;
+  at::ScalarType qdt = at::kFloat;
+  int format = core::kPlain;  // core::kPlain / kFp8 / kDs
+  int64_t T = 0, engine = 0;
+  core::Bounds bounds(int64_t max_page_id) const { return {T, bt.size(0), bt.size(1), max_page_id}; }
+};
+LatentArgs latent_args(const char* op, const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& kv_cache,
+                       const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
+                       double softmax_scale, const c10::optional<at::Tensor>& kv_scale, int64_t engine);
+void set_outputs(LatentArgs& a, const at::Tensor& out, const at::Tensor& lse);
 
 }  // namespace mla_native

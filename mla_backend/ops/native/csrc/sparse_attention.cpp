@@ -232,70 +232,17 @@ void sparse_attention(const at::Tensor& q_lat_in, const at::Tensor& q_pe_in, con
                       const at::Tensor& indices_in, const at::Tensor& token_req_in, double softmax_scale,
                       const c10::optional<at::Tensor>& kv_scale, int64_t max_page_id, int64_t engine,
                       const at::Tensor& out, const at::Tensor& lse) {
-  TORCH_CHECK(q_lat_in.device().is_cpu() && kv_cache.device().is_cpu(), "mla native sparse attention: CPU tensors");
-  TORCH_CHECK(q_lat_in.dim() == 3 && q_pe_in.dim() == 3 && kv_cache.dim() == 3,
-              "q_lat [T, H, r], q_pe [T, H, rope] and kv_cache [pages, page_size, W] expected, got ",
-              q_lat_in.sizes(), ", ", q_pe_in.sizes(), ", ", kv_cache.sizes());
-  const auto qdt = q_lat_in.scalar_type();
-  TORCH_CHECK(qdt == at::kBFloat16 || qdt == at::kHalf || qdt == at::kFloat, "q_lat dtype ", qdt,
-              " is not supported; use bfloat16, float16 or float32");
-  TORCH_CHECK(q_pe_in.scalar_type() == qdt, "q_pe dtype ", q_pe_in.scalar_type(), " != q_lat dtype ", qdt);
-  const auto cdt = kv_cache.scalar_type();
-  const bool fp8 = cdt == at::kFloat8_e4m3fn, ds = cdt == at::kByte;
-  TORCH_CHECK(cdt == qdt || fp8 || ds, "kv_cache dtype ", cdt, " is not supported with q dtype ", qdt);
-  const int64_t T = q_lat_in.size(0), H = q_lat_in.size(1), r = q_lat_in.size(2), rope = q_pe_in.size(2);
-  TORCH_CHECK(q_pe_in.size(0) == T && q_pe_in.size(1) == H, "q_pe shape ", q_pe_in.sizes(), " != q_lat's");
-  const core::DsLayout dsl(r, rope, q_lat_in.element_size());
-  TORCH_CHECK(kv_cache.size(2) == (ds ? dsl.width : r + rope), "kv_cache last dim ", kv_cache.size(2),
-              " does not match r = ", r, ", rope = ", rope);
-  TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous");
-  TORCH_CHECK(softmax_scale > 0.0 && std::isfinite(softmax_scale), "softmax_scale ", softmax_scale,
-              " must be a finite positive number");
-  if (engine < 0) engine = core::kEngineDefault;
-#ifndef MLA_AVX512BF16
-  TORCH_CHECK(!(engine & core::kEngineBf16), "engine=", engine, ": this level has no AVX512-BF16 engine");
-#endif
-  TORCH_CHECK(!(engine & core::kEngineAmx) || core::amx_available(), "engine=", engine, ": no AMX here");
-  at::Tensor q_lat = q_lat_in.stride(2) == 1 ? q_lat_in : q_lat_in.contiguous();
-  at::Tensor q_pe = (q_pe_in.stride(2) == 1 || rope == 0) ? q_pe_in : q_pe_in.contiguous();
-  at::Tensor bt = int32_arg(block_table_in, "block_table"), cu = int32_arg(cu_in, "cu_seqlens_q");
-  at::Tensor kvl = int32_arg(kv_lens_in, "kv_lens"), treq = int32_arg(token_req_in, "token_req");
-  at::Tensor idx = int32_arg(indices_in, "indices");
-  TORCH_CHECK(bt.dim() == 2 && idx.dim() == 2 && idx.size(0) == T && treq.numel() == T,
-              "block_table [B, pages], indices [T, k] and token_req [T] expected, got ", bt.sizes(), ", ",
-              idx.sizes(), ", ", treq.sizes());
-  const int64_t B = kvl.numel();
-  TORCH_CHECK(cu.numel() == B + 1, "cu_seqlens_q must be [B + 1] = [", B + 1, "], got ", cu.sizes());
-  TORCH_CHECK(out.scalar_type() == qdt && out.is_contiguous() && out.numel() == T * H * r &&
-                  lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == T * H,
-              "out [T, H, r] in q's dtype and lse [T, H] float32, contiguous, expected");
-  float kvs = 1.0f;
-  if (kv_scale.has_value() && kv_scale->defined()) {
-    TORCH_CHECK(kv_scale->numel() == 1, "kv_scale must be a 0-d tensor, got shape ", kv_scale->sizes());
-    kvs = kv_scale->to(at::kCPU).to(at::kFloat).item<float>();
-    TORCH_CHECK(std::isfinite(kvs) && kvs > 0.0f, "kv_scale = ", kvs, " must be finite and > 0");
-  }
-  core::Params P;
-  P.H = H, P.r = r, P.rope = rope, P.D = r + rope, P.B = B;
-  P.page_size = kv_cache.size(1), P.num_pages = kv_cache.size(0);
-  P.bt = bt.data_ptr<int32_t>(), P.bt_s0 = bt.stride(0);
-  P.cu = cu.data_ptr<int32_t>(), P.kvl = kvl.data_ptr<int32_t>();
-  const int64_t qes = q_lat.element_size();
-  P.qlat = static_cast<const char*>(q_lat.data_ptr()), P.ql_s0 = q_lat.stride(0) * qes, P.ql_s1 = q_lat.stride(1) * qes;
-  P.qpe = static_cast<const char*>(q_pe.data_ptr()), P.qp_s0 = q_pe.stride(0) * qes, P.qp_s1 = q_pe.stride(1) * qes;
-  const int64_t ces = kv_cache.element_size();
-  P.cache = static_cast<const char*>(kv_cache.data_ptr());
-  P.c_s0 = kv_cache.stride(0) * ces, P.c_s1 = kv_cache.stride(1) * ces, P.row_bytes = kv_cache.size(2) * ces;
-  P.score_scale = static_cast<float>(softmax_scale) * (ds ? 1.0f : kvs);
-  P.out_scale = ds ? 1.0f : kvs;
-  P.tiles = dsl.tiles, P.ds_scale_off = dsl.scale_off, P.ds_rope_off = dsl.rope_off;
-  P.out = static_cast<char*>(out.data_ptr());
-  P.lse = lse.data_ptr<float>();
+  LatentArgs a = latent_args("sparse_attention", q_lat_in, q_pe_in, kv_cache, block_table_in, cu_in, kv_lens_in,
+                             softmax_scale, kv_scale, engine);
+  set_outputs(a, out, lse);
+  const int64_t T = a.T;
+  at::Tensor treq = int32_arg(token_req_in, "token_req"), idx = int32_arg(indices_in, "indices");
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == T && treq.numel() == T, "indices [T, k] and token_req [T] with T = ",
+              T, " expected, got ", idx.sizes(), ", ", treq.sizes());
   core::SparseIndex S;
   S.idx = idx.data_ptr<int32_t>(), S.K = idx.size(1), S.idx_s0 = idx.stride(0), S.tok_req = treq.data_ptr<int32_t>();
-  const core::Bounds bounds{T, bt.size(0), bt.size(1), max_page_id};
-  const std::string err = core::sparse_attention(P, bounds, S, dtype_of(qdt), ds ? core::kDs : (fp8 ? core::kFp8 : core::kPlain),
-                                                 torch_parallel(), static_cast<int>(engine));
+  const std::string err = core::sparse_attention(a.P, a.bounds(max_page_id), S, dtype_of(a.qdt), a.format,
+                                                 torch_parallel(), static_cast<int>(a.engine));
   TORCH_CHECK(err.empty(), err);  // a refused index: nothing was read
 }
 #endif  // MLA_CORE_ONLY
