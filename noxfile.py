@@ -236,7 +236,9 @@ def vllm(session: nox.Session) -> None:
     adapter), the ones marked slow included (the server soak, DCP and fp8-accuracy engine runs);
     CI runs the others against the wheel in ``wheel``."""
     _vllm_env(session)
-    _pytest(session, *XDIST_BY_FILE, "integrations/vllm/tests", "-m", "slow or not slow")
+    # serial: the slow tests (server soak, TP x DCP engine runs) were measured one engine at a
+    # time, and two of them at once would share two cores between up to five engine processes
+    _pytest(session, "integrations/vllm/tests", "-m", "slow or not slow")
 
 
 @nox.session
