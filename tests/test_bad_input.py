@@ -299,7 +299,7 @@ def test_a_strided_query_gives_the_oracle_lse(kernels: object, rope: int) -> Non
 # ---- the native build's name covers what the binary depends on -------------------------------
 @pytest.mark.parametrize(
     "change",
-    ["torch_version", "torch_git", "cxx11_abi", "compiler", "python", "torch_location"],
+    ["torch_version", "torch_git", "cxx11_abi", "compiler", "python"],
 )
 def test_native_build_name_covers_the_binary_dependencies(
     monkeypatch: pytest.MonkeyPatch, change: str
@@ -314,10 +314,16 @@ def test_native_build_name_covers_the_binary_dependencies(
         monkeypatch.setattr(torch, "compiled_with_cxx11_abi", lambda: not abi)
     elif change == "compiler":
         monkeypatch.setenv("CXX", "/nonexistent/g++-99")
-    elif change == "torch_location":  # the same torch installed in another environment
-        monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
     else:
         monkeypatch.setattr(build.sys.implementation, "cache_tag", "cpython-299")
     after = build.extension_name("avx2")
     assert after != before and after.startswith("mla_backend_native_avx2_")
     assert build.extension_name("avx2", openmp=False) == after + "_serial"
+
+
+def test_native_build_name_shared_by_environments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same torch release installed elsewhere (another virtual environment) names the same
+    build, which the loader then reuses (tests/test_native_build_lock.py)."""
+    before = build.extension_name("avx2")
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert build.extension_name("avx2") == before

@@ -37,6 +37,18 @@ _LOADER = textwrap.dedent(
     print(ctypes.CDLL(path).mla_lock_test_answer(), flush=True)
     """
 )
+# the loader child of one environment: its own include path (where its torch and Python would
+# be), the binary identity it would compute
+_ENV_LOADER = textwrap.dedent(
+    """
+    import ctypes, sys
+    from mla_backend.ops.native.build_lock import locked_load
+    name, src, inc, identity = sys.argv[1:5]
+    path = locked_load(name, identity=identity, sources=[src], is_python_module=False,
+                       extra_include_paths=[inc], verbose=False)
+    print(ctypes.CDLL(path).mla_lock_test_answer(), flush=True)
+    """
+)
 # the killed build: holds our lock and torch's ``lock`` file, as a build in progress does
 _KILLED_BUILD = textwrap.dedent(
     """
@@ -125,6 +137,33 @@ def test_two_processes_load_at_once(ext_env: dict[str, str], tmp_path: Path) -> 
         assert "stale" not in err  # a live build's lock is never taken for a stale one
     assert not (_build_dir(ext_env) / "lock").exists()
     assert [p.name for p in _build_dir(ext_env).glob("*.so")] == [f"{NAME}.so"]
+
+
+def test_environments_share_a_finished_build(ext_env: dict[str, str], tmp_path: Path) -> None:
+    """A build finished in one environment is loaded as it is by another with the same binary
+    identity but other include paths (no ninja run: the library and build.ninja unchanged);
+    another identity rebuilds; a build without a marker (killed before it) is rebuilt."""
+    src = str(tmp_path / "tiny.cpp")
+    incs = [tmp_path / f"env{i}" for i in range(3)]
+    for d in incs:
+        d.mkdir()
+    d = _build_dir(ext_env)
+    library, ninja, marker = d / f"{NAME}.so", d / "build.ninja", d / build_lock.BUILT_MARKER
+
+    def load(inc: Path, identity: str) -> None:
+        out, _ = _finish(_child(_ENV_LOADER, ext_env, NAME, src, str(inc), identity))
+        assert out.split() == ["42"]
+
+    load(incs[0], "torch X")
+    assert marker.read_text() == "torch X" and str(incs[0]) in ninja.read_text()
+    built = library.stat().st_mtime_ns
+    load(incs[1], "torch X")  # same binary, another environment: loaded, not rebuilt
+    assert library.stat().st_mtime_ns == built and str(incs[1]) not in ninja.read_text()
+    load(incs[1], "torch Y")  # another identity: rebuilt with this environment's command
+    assert marker.read_text() == "torch Y" and str(incs[1]) in ninja.read_text()
+    marker.unlink()  # as a build killed before it finished leaves it
+    load(incs[2], "torch Y")
+    assert marker.read_text() == "torch Y" and str(incs[2]) in ninja.read_text()
 
 
 def test_wait_is_bounded(tmp_path: Path) -> None:

@@ -121,6 +121,7 @@ def _build(isa: str) -> None:
                 extra_include_paths=[str(_CSRC)],
                 is_python_module=False,
                 verbose=current().flag("native_verbose"),
+                identity=binary_identity(),
             )
             _states[isa]["openmp"] = omp
             break
@@ -287,9 +288,10 @@ def extension_name(isa: str, openmp: bool = True) -> str:
 def binary_identity() -> str:
     """What a build links and is compiled with besides its sources and flags: torch's version,
     git revision, CUDA / ROCm build and C++ ABI, the Python ABI, the compiler (``CXX``, its
-    resolved path and version line), the include paths (where torch and Python are installed). It
-    goes into the extension name, so two environments that differ in any of them never share (or
-    replace) a build directory."""
+    resolved path and version line). It goes into the extension name, so two environments that
+    differ in any of them never share (or replace) a build directory; environments that differ
+    only in where the same torch and Python are installed share one build (:mod:`.build_lock`
+    loads it without rebuilding)."""
     cxx = os.environ.get("CXX", "c++")
     path = shutil.which(cxx) or cxx
     try:
@@ -307,11 +309,6 @@ def binary_identity() -> str:
         sysconfig.get_config_var("SOABI") or "",
         str(Path(os.path.realpath(path))),
         version,
-        # the include paths the build compiles against (torch's headers where this torch is
-        # installed, Python's): two environments with the same torch release in different
-        # places get different build commands, which ninja would rebuild over each other
-        str(Path(torch.__file__).resolve().parent),
-        sysconfig.get_paths().get("include", ""),
     )
     return "\n".join(parts)
 

@@ -14,6 +14,13 @@ is removed with one warning naming its path. Waiting for the lock is bounded
 (``MLA_BACKEND_NATIVE_LOCK_TIMEOUT`` seconds, default :data:`DEFAULT_LOCK_TIMEOUT_S`); past it a
 ``TimeoutError`` names the lock file, the process holding it and what to do. Where the file
 system has no ``flock`` the load goes ahead unlocked (torch's own lock only), saying so once.
+
+A finished build is shared by every environment with the same binary identity (the caller's
+``identity``: torch's build and ABI, Python, the compiler; not where they are installed): after a
+successful build, a marker file holding ``identity`` is written into the build directory, and a
+later load whose identity matches loads the library as it is. ``cpp_extension.load`` would instead
+rewrite ``build.ninja`` with this environment's include paths, and ninja would rebuild every
+source (minutes per ISA level) for a binary that is the same.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from ...config import current
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT_S",
+    "BUILT_MARKER",
     "ENV_LOCK_TIMEOUT",
     "build_directory",
     "build_lock",
@@ -43,6 +51,8 @@ ENV_LOCK_TIMEOUT = "MLA_BACKEND_NATIVE_LOCK_TIMEOUT"
 #: native level takes minutes on a small, shared CPU)
 DEFAULT_LOCK_TIMEOUT_S = 1800.0
 _POLL_S = 0.1
+#: the file a finished build's directory holds: the binary identity it was built with
+BUILT_MARKER = "mla-built"
 _TORCH_BATON = "lock"  # torch.utils.file_baton.FileBaton's file in the build directory
 
 
@@ -138,11 +148,30 @@ def build_lock(build_dir: Path, timeout: float | None = None) -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
-def locked_load(name: str, **kwargs: Any) -> Any:
+def locked_load(name: str, identity: str | None = None, **kwargs: Any) -> Any:
     """``torch.utils.cpp_extension.load(name=name, **kwargs)`` under :func:`build_lock` of the
-    extension's build directory (``kwargs`` must not name ``build_directory``)."""
+    extension's build directory (``kwargs`` must not name ``build_directory``).
+
+    With ``identity`` (only for ``is_python_module=False``): if the directory holds a finished
+    build marked with the same identity, its library is loaded (``torch.ops.load_library``)
+    without calling ninja; after a build, the directory is marked with it."""
     from torch.utils import cpp_extension
 
+    if identity is not None and kwargs.get("is_python_module", True):
+        raise ValueError("locked_load: identity= reuses op libraries only (is_python_module=False)")
     build_dir = build_directory(name)
     with build_lock(build_dir):
-        return cpp_extension.load(name=name, build_directory=str(build_dir), **kwargs)
+        marker, library = build_dir / BUILT_MARKER, build_dir / f"{name}.so"
+        if identity is not None and library.is_file() and marker.is_file():
+            if marker.read_text() == identity:
+                import torch
+
+                torch.ops.load_library(str(library))
+                return str(library)
+            marker.unlink()  # another identity's build: rebuilt below
+        path = cpp_extension.load(name=name, build_directory=str(build_dir), **kwargs)
+        if identity is not None:
+            tmp = marker.with_name(marker.name + f".{os.getpid()}")
+            tmp.write_text(identity)
+            tmp.replace(marker)  # atomic: a reader sees no marker or the whole identity
+        return path
