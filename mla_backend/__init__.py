@@ -23,6 +23,7 @@ from .selection import Selection, resolve
 from .sparse import indexer_logits, indexer_topk, sparse_absorbed_attention, write_index_keys
 from .sparse_layer import sparse_mla_attention
 from .sparse_normal import sparse_normal_attention
+from .v4_layer import v4_attention, v4_dims
 from .weights import (
     AbsorbWeights,
     absorb_q,
@@ -68,6 +69,8 @@ __all__ = [
     "sparse_normal_attention",
     "resolve",
     "split_kv_b_proj",
+    "v4_attention",
+    "v4_dims",
     "WorkPartition",
     "weights_from_kv_b_proj",
     "weights_from_w_kc_w_vc",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import MLABatch
+from .rope import rope_interleaved
 
 __all__ = ["CompressSchedule", "CompressorSpec", "compress", "save_states", "schedule"]
 
@@ -206,21 +207,6 @@ def save_states(
     rows.index_copy_(0, slots.clamp(0, max(n_slots - 1, 0))[keep], new[keep])
 
 
-def _rope_interleaved(x: torch.Tensor, cos_sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """x [N, D] fp32 with interleaved (GPT-J) RoPE on its last ``cos_sin.shape[1]`` channels at
-    positions ``pos`` [N]; ``cos_sin`` [P, rope]: cos of each pair, then sin of each pair."""
-    rope = cos_sin.shape[1]
-    if rope == 0:
-        return x
-    cs = cos_sin.float()[pos]
-    cos, sin = cs[:, : rope // 2], cs[:, rope // 2 :]
-    a, b = x[:, -rope::2], x[:, -rope + 1 :: 2]
-    out = x.clone()
-    out[:, -rope::2] = a * cos - b * sin
-    out[:, -rope + 1 :: 2] = b * cos + a * sin
-    return out
-
-
 def compress(
     state_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -300,5 +286,5 @@ def compress(
         pooled = (c * torch.softmax(z, dim=1)).sum(1)  # [e, d]
         normed = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + spec.eps)
         normed = normed * norm_weight.float()
-        out[e0 : e0 + step] = _rope_interleaved(normed, cos_sin, w * m)
+        out[e0 : e0 + step] = rope_interleaved(normed, cos_sin, w * m)
     return out
