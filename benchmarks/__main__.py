@@ -1,6 +1,6 @@
 """``python -m benchmarks <subcommand> [-h]``: one subcommand per benchmark (decode, extend, gemm,
 layer, policy, sparse, sparse-mha, vllm, vllm-dcp, vllm-dsa, vllm-steps, serve, sglang, gpu,
-gpu-resources, gpu-sweep, gpu-run, gpu-sparse, fp8-accuracy); each writes
+gpu-resources, gpu-sweep, gpu-run, gpu-sparse, fp8-accuracy, v4); each writes
 ``benchmarks/results/<name>-latest.md`` and appends to ``<name>-history.md``. ``plot`` redraws
 the roofline PNGs from ``decode-latest.md``."""
 
@@ -31,6 +31,7 @@ COMMANDS = {
     "gpu-run": ("gpu_run", "the one prepared GPU run: tests, benchmarks, sweep, summary"),
     "gpu-sparse": ("gpu_sparse", "DSA decode on a GPU (Triton): indexer + sparse vs dense"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
+    "v4": ("v4", "DeepSeek-V4 decode per layer kind (sliding, CSA + indexer, HCA), roofline"),
 }
 
 

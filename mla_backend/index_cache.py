@@ -52,14 +52,19 @@ class IndexerDims:
         n_heads: index heads Hi (``index_n_heads``).
         head_dim: Di (``index_head_dim``), one key of Di values per token.
         topk: tokens each query token attends to (``index_topk``).
+        compress_ratio: tokens per key: 1 for DSA (a key per token); DeepSeek-V4's CSA
+            indexer scores compressed keys, one per 4 tokens (the token at position p sees keys
+            ``0 .. (p + 1) // ratio - 1``; a page of its cache holds ``page_size / ratio``
+            keys of the plan's ``page_size`` tokens).
     """
 
     n_heads: int
     head_dim: int
     topk: int
+    compress_ratio: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("n_heads", "head_dim", "topk"):
+        for name in ("n_heads", "head_dim", "topk", "compress_ratio"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"indexer {name}={v!r} is not supported: it must be an int >= 1")

@@ -143,10 +143,14 @@ class SparsePart:
         indexer: the model's :class:`~mla_backend.index_cache.IndexerDims`.
         token_req_t: [T] int32 request (index within the step) of each query token.
         token_pos_t: [T] int32 logical position of each query token.
-        max_kv_len: the longest request's kv length (host int; the logits' width).
+        max_kv_len: the most keys a request has (host int; the logits' width): its kv length,
+            over ``ratio`` with compressed keys.
+        ratio: tokens per key (``indexer.compress_ratio``): token t sees keys
+            ``0 .. (token_pos_t[t] + 1) // ratio - 1``.
     """
 
     indexer: IndexerDims
     token_req_t: torch.Tensor
     token_pos_t: torch.Tensor
     max_kv_len: int
+    ratio: int = 1

@@ -305,8 +305,9 @@ def _sparse_part(
     req = [k for k, n in enumerate(new) for _ in range(n)]
     pos = [p + j for p, n in zip(prefix, new, strict=True) for j in range(n)]
     req_t, pos_t = _int32_views((req, pos), dev)
-    return SparsePart(indexer, req_t, pos_t, max((p + n for p, n in zip(prefix, new, strict=True)),
-                                                 default=0))  # fmt: skip
+    R = indexer.compress_ratio
+    keys = max(((p + n) // R for p, n in zip(prefix, new, strict=True)), default=0)
+    return SparsePart(indexer, req_t, pos_t, keys, R)
 
 
 def _dsa_routes(

@@ -178,10 +178,11 @@ def _check_indexer(
             f"Hi={Hi}] float32 (every scale folded in: see mla_backend.sparse)"
         )
     lay = _index_layout(index_cache, Di, layout)
-    if index_cache.shape[1] != plan.page_size:
+    R = sparse.ratio
+    if index_cache.shape[1] * R != plan.page_size:
         raise ValueError(
             f"index cache page size {index_cache.shape[1]} != the plan's page_size "
-            f"{plan.page_size}"
+            f"{plan.page_size}" + (f" / compress_ratio {R}" if R > 1 else "")
         )
     if plan.max_page_id >= index_cache.shape[0]:
         raise ValueError(

@@ -10,7 +10,7 @@ Layers, lowest first (a module may import its own layer or lower ones):
 
 0. core types: dims, batch, fp8, merge, cache_layout, index_cache, weights, parts (the seam's
    input types), cost (the roofline and its profiles), config (the environment variables),
-   decision (a choice and its reason);
+   decision (a choice and its reason), rope (the interleaved rotation the core applies);
 1. policy (asks the implementation for its cost profile, imports none);
 2. the device seam (``ops/__init__``, ``ops/base``: the base class and the seam's records;
    ``ops/registry``): no torch code of the ops;
@@ -18,7 +18,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
    ``ops/native``, ``ops/triton``, ``ops/flashinfer`` (and any new one under ``ops/``);
 4. selection (registers the implementations with lazy loaders, resolves what runs) and plan;
 5. entry points: checks, normal, attention, sparse, sparse_normal (DSA's sparse MHA path),
-   sparse_layer (a DSA layer's routed call, over sparse and sparse_normal), keyset;
+   sparse_layer (a DSA layer's routed call, over sparse and sparse_normal), keyset,
+   compressor (DeepSeek-V4's KV compressor), v4_layer (V4's attention layer, over keyset);
 6. the package itself, ``__main__`` and ``testing/``.
 """
 
@@ -33,10 +34,11 @@ ROOT = Path(__file__).resolve().parents[1] / "mla_backend"
 
 CORE = (
     "dims", "batch", "fp8", "merge", "cache_layout", "index_cache", "weights", "parts", "cost",
-    "config", "decision",
+    "config", "decision", "rope",
 )
 SELECTION = ("selection", "plan")
-ENTRY = ("checks", "normal", "attention", "sparse", "sparse_normal", "sparse_layer", "keyset")
+ENTRY = ("checks", "normal", "attention", "sparse", "sparse_normal", "sparse_layer", "keyset",
+         "compressor", "v4_layer")  # fmt: skip
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: the implementation every other one may delegate seam methods to (``torch_default``)

@@ -182,14 +182,14 @@ def _decompress(c_kv, k_pe, W_UK, W_UV):
 
 def _indexer_topk(
     q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, quant_block_size, topk,
-    max_page_id, out,
+    max_page_id, out, ratio=1,
 ):  # fmt: skip
     return None
 
 
 def _indexer_logits(
     q_I, weights, index_cache, block_table, cu_seqlens_q, kv_lens, quant_block_size, width,
-    max_page_id,
+    max_page_id, ratio=1,
 ):  # fmt: skip
     return weights.new_empty((q_I.shape[0], width))
 

@@ -219,6 +219,7 @@ def indexer_topk(call: IndexerCall, *, isa: str | None = None) -> torch.Tensor:
     ns.native_indexer_topk(
         call.q_I, call.weights, call.index_cache, p.block_table, p.cu_new_t, p.kv_lens_t,
         int(call.layout.quant_block_size), int(call.topk), int(p.max_page_id), out,
+        int(call.sparse.ratio),
     )  # fmt: skip
     return out
 
@@ -231,6 +232,7 @@ def indexer_logits(call: IndexerCall, *, isa: str | None = None) -> torch.Tensor
     res = op_namespace(isa).native_indexer_logits(
         call.q_I, call.weights, call.index_cache, p.block_table, p.cu_new_t, p.kv_lens_t,
         int(call.layout.quant_block_size), int(call.sparse.max_kv_len), int(p.max_page_id),
+        int(call.sparse.ratio),
     )  # fmt: skip
     return res if call.out is None else call.out.copy_(res)
 

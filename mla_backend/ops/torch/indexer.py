@@ -75,7 +75,8 @@ def request_keys(
 
 def indexer_logits(c: IndexerCall) -> torch.Tensor:
     """The seam's ``indexer_logits``: :func:`logits` over the step, [T, sparse.max_kv_len]."""
-    return logits(c.q_I, c.weights, c.index_cache, c.layout, c.part, c.sparse.max_kv_len, c.out)
+    s = c.sparse
+    return logits(c.q_I, c.weights, c.index_cache, c.layout, c.part, s.max_kv_len, c.out, s.ratio)
 
 
 def logits(
@@ -86,11 +87,13 @@ def logits(
     part: PlanPart,
     width: int,
     out: torch.Tensor | None = None,
+    ratio: int = 1,
 ) -> torch.Tensor:
-    """``I[s, t] = sum_h weights[s, h] * relu(q_I[s, h] . k_I[t])`` for t <= pos(s), -inf
+    """``I[s, t] = sum_h weights[s, h] * relu(q_I[s, h] . k_I[t])`` for keys t the token s sees
+    (``t <= pos(s)``; with ``ratio`` tokens per key, ``t < (pos(s) + 1) // ratio``), -inf
     elsewhere (positions past the request's keys included): q_I [T, Hi, Di] (bf16 / fp16 /
     fp32 / e4m3 values), weights [T, Hi] float32 -> float32 [T, width] (``out`` when given;
-    width >= the part's longest kv). fp32 throughout."""
+    width >= the part's most keys). fp32 throughout."""
     T, Hi, Di = q_I.shape
     res = out if out is not None else torch.empty(T, width, dtype=torch.float32, device=q_I.device)
     res.fill_(float("-inf"))
@@ -98,7 +101,7 @@ def logits(
     for i, (P, n) in enumerate(zip(part.prefix_lens, part.new_lens, strict=True)):
         if n == 0:
             continue
-        L, t0 = P + n, part.cu_new[i]
+        L, t0 = (P + n) // ratio, part.cu_new[i]
         keys = request_keys(index_cache, layout, part, i, L)  # [L, Di]
         step = max(1, CHUNK_ELEMENTS // max(1, Hi * L))
         for j0 in range(0, n, step):
@@ -107,7 +110,7 @@ def logits(
             s = torch.relu(torch.einsum("nhd,ld->nhl", q, keys))
             lg = torch.einsum("nhl,nh->nl", s, w[t0 + j0 : t0 + j1])
             pos = torch.arange(L, device=q.device)
-            lim = P + torch.arange(j0, j1, device=q.device)
+            lim = (P + torch.arange(j0, j1, device=q.device) + 1) // ratio - 1
             lg.masked_fill_(pos[None, :] > lim[:, None], float("-inf"))
             res[t0 + j0 : t0 + j1, :L] = lg
     return res
@@ -152,15 +155,17 @@ def indexer_topk(c: IndexerCall) -> torch.Tensor:
     one request's rows x its keys)."""
     q_I, weights, index_cache, layout, part = c.q_I, c.weights, c.index_cache, c.layout, c.part
     sparse, topk, out = c.sparse, c.topk, c.out
-    T = q_I.shape[0]
+    T, R = q_I.shape[0], sparse.ratio
     res = out if out is not None else torch.empty(T, topk, dtype=torch.int32, device=q_I.device)
     for i, (P, n) in enumerate(zip(part.prefix_lens, part.new_lens, strict=True)):
         if n == 0:
             continue
         t0 = part.cu_new[i]
         one = _one_request(part, i)
-        lg = logits(q_I[t0 : t0 + n], weights[t0 : t0 + n], index_cache, layout, one, P + n)
-        topk_positions(lg, sparse.token_pos_t[t0 : t0 + n], topk, res[t0 : t0 + n])
+        lg = logits(q_I[t0 : t0 + n], weights[t0 : t0 + n], index_cache, layout, one,
+                    (P + n) // R, ratio=R)  # fmt: skip
+        last = (sparse.token_pos_t[t0 : t0 + n].long() + 1) // R - 1  # the last key each sees
+        topk_positions(lg, last, topk, res[t0 : t0 + n])
     return res
 
 

@@ -8,7 +8,10 @@
 // refusal exactly for malformed calls (outputs untouched); logits within a tolerance of the fp64
 // reference at every visible position and -inf elsewhere; top-k lists ascending, distinct,
 // visible, min(topk, visible) long, then -1, and (finite values) no unselected key better than
-// a selected one beyond the tolerance; inputs untouched.
+// a selected one beyond the tolerance; inputs untouched. One call in four scores compressed keys
+// (ratio 2..5, DeepSeek-V4's CSA indexer: kv_lens count tokens, the token at p sees keys below
+// (p + 1) / ratio, a page holds page_size keys of page_size x ratio tokens), sometimes with a key
+// count that is not kv_lens / ratio or a ratio < 1 (refused).
 #include "fuzz_common.h"
 #include "indexer.cpp"
 
@@ -40,6 +43,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   int64_t ps = in.ConsumeIntegralInRange<int64_t>(1, 20);
   if (mal & 4) ps = 0;
   const int64_t B = in.ConsumeIntegralInRange<int64_t>(0, 4);
+  const int64_t R = in.ConsumeIntegralInRange<int>(0, 3) == 0 ? in.ConsumeIntegralInRange<int64_t>(2, 5) : 1;
+  const int64_t pt = std::max<int64_t>(ps, 0) * R;  // tokens per block-table page
   std::vector<int32_t> cu(static_cast<size_t>(B + 1), 0), kvl(static_cast<size_t>(B), 0);
   for (int64_t i = 0; i < B; ++i) {
     const int64_t n = big == 4 ? in.ConsumeIntegralInRange<int64_t>(0, 40) : in.ConsumeIntegralInRange<int64_t>(0, 3);
@@ -48,8 +53,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   int64_t T = cu[B], need = 0, maxL = 0;
   for (int64_t i = 0; i < B; ++i) {
-    need = std::max<int64_t>(need, ps > 0 ? (kvl[i] + ps - 1) / ps : 0);
-    if (cu[i + 1] > cu[i]) maxL = std::max<int64_t>(maxL, kvl[i]);
+    need = std::max<int64_t>(need, pt > 0 ? (kvl[i] + pt - 1) / pt : 0);
+    if (cu[i + 1] > cu[i]) maxL = std::max<int64_t>(maxL, kvl[i] / R);
   }
   const int64_t width = need + in.ConsumeIntegralInRange<int64_t>(0, 2), bt_s0 = width + in.ConsumeIntegralInRange<int64_t>(0, 2);
   int64_t rows = B + in.ConsumeIntegralInRange<int64_t>(0, 1);
@@ -69,13 +74,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (mal & 1024) kvl[i] = in.ConsumeBool() ? INT32_MAX : INT32_MIN;
   }
   if (mal & 2048) T += 1;
+  // keys per request: kv_lens itself, or (compressed keys) kv_lens / R, maybe off by one
+  std::vector<int32_t> keys(kvl);
+  int64_t ratio = R;
+  if (R > 1) {
+    for (int64_t i = 0; i < B; ++i) keys[i] = static_cast<int32_t>(kvl[i] / R);
+    if ((mal & 32768) && B > 0) keys[in.ConsumeIntegralInRange<int64_t>(0, B - 1)] += 1;
+    if (mal & 65536) ratio = in.ConsumeIntegralInRange<int64_t>(-1, 0);
+  }
   int64_t max_page_id = -1;
   if (in.ConsumeBool()) {  // the caller's bound: >= every used id, all >= 0 (or malformed: >= np)
     int64_t mx = 0;
     bool ok = true;
     for (int64_t i = 0; i < std::min(B, rows); ++i)
-      if (cu[i + 1] > cu[i] && ps > 0 && kvl[i] > 0)
-        for (int64_t p = 0; p < std::min<int64_t>((static_cast<int64_t>(kvl[i]) + ps - 1) / ps, width); ++p) {
+      if (cu[i + 1] > cu[i] && pt > 0 && kvl[i] > 0)
+        for (int64_t p = 0; p < std::min<int64_t>((static_cast<int64_t>(kvl[i]) + pt - 1) / pt, width); ++p) {
           ok = ok && bt[i * bt_s0 + p] >= 0;
           mx = std::max<int64_t>(mx, bt[i * bt_s0 + p]);
         }
@@ -110,7 +123,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t kes = kind == core::kIdxFp8 ? 1 : (kind == core::kIdxF32 ? 4 : 2);
   const int64_t Dp = std::max<int64_t>(Di, 0);
   const int64_t page_bytes = kind == core::kIdxFp8 ? ps * (Dp + 4 * nb) : ps * Dp * kes;
-  const int64_t c_s0 = page_bytes + in.ConsumeIntegralInRange<int64_t>(0, 9);
+  // pages at any byte stride for fp8 (uint8 tensors), at whole elements otherwise (as torch's strides)
+  const int64_t c_s0 = page_bytes + in.ConsumeIntegralInRange<int64_t>(0, 9) * (kind == core::kIdxFp8 ? 1 : kes);
   std::vector<uint8_t> cache(static_cast<size_t>(np > 0 ? (np - 1) * c_s0 + page_bytes : 0), 0xFF);
   const int kdt = kind == core::kIdxBF16 ? 0 : (kind == core::kIdxF16 ? 1 : 2);
   auto key_at = [&](int64_t page, int64_t off) { return cache.data() + page * c_s0 + off * Dp * kes; };
@@ -120,7 +134,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (Di >= 1 && ps >= 1)
     for (int64_t i = 0; i < std::min(B, rows); ++i) {
       if (cu[i + 1] <= cu[i]) continue;
-      for (int64_t pos = 0; pos < std::min<int64_t>(kvl[i], width * ps); ++pos) {
+      for (int64_t pos = 0; pos < std::min<int64_t>(keys[i], width * ps); ++pos) {
         const int64_t page = bt[i * bt_s0 + pos / ps], off = pos % ps;
         if (page < 0 || page >= np) continue;
         uint8_t* k = key_at(page, off);
@@ -139,12 +153,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fq.take(q.data(), q.size(), "q"), fw.take(w.data(), w.size() * 4, "weights"), fc.take(cache.data(), cache.size(), "cache");
   fbt.take(bt.data(), bt.size() * 4, "block_table"), fcu.take(cu.data(), cu.size() * 4, "cu_seqlens_q");
   fkvl.take(kvl.data(), kvl.size() * 4, "kv_lens");
+  Frozen fkeys;
+  fkeys.take(keys.data(), keys.size() * 4, "keys");
 
   core::IndexParams P;
   P.T = T, P.Hi = Hi, P.Di = Di, P.B = B, P.page_size = ps, P.num_pages = np;
   P.q = reinterpret_cast<const char*>(q.data()), P.q_s0 = q_s0 * qes, P.q_s1 = q_s1 * qes, P.q_dt = qdt;
   P.w = w.data(), P.w_s0 = w_s0, P.cache = cache.data(), P.c_s0 = c_s0, P.kind = kind, P.qbs = qbs;
-  P.bt = bt.data(), P.bt_s0 = bt_s0, P.cu = cu.data(), P.kvl = kvl.data();
+  P.bt = bt.data(), P.bt_s0 = bt_s0, P.cu = cu.data(), P.kvl = keys.data();
+  P.ratio = ratio, P.qkvl = R > 1 ? kvl.data() : nullptr;
   std::vector<int32_t> out;
   std::vector<float> logits;
   if (topk_mode) {
@@ -157,21 +174,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const core::Bounds b{T, rows, width, max_page_id};
   const std::string err = core::indexer(P, b, make_parallel<core::Parallel>(threads));
-  fq.check(), fw.check(), fc.check(), fbt.check(), fcu.check(), fkvl.check();
+  fq.check(), fw.check(), fc.check(), fbt.check(), fcu.check(), fkvl.check(), fkeys.check();
 
   // the rules (validate_indexer, validate), read independently
   bool valid = Hi >= 1 && Di >= 1 && ps >= 1;
   if (kind == core::kIdxFp8) valid = valid && qbs >= 1 && Di % qbs == 0 && (qbs == Di || (qbs % 2 == 0 && Di / qbs <= 64));
   if (topk_mode) valid = valid && topk >= 1;
-  valid = valid && np >= 0 && rows >= B && (B == 0 || cu[0] == 0);
+  valid = valid && ratio >= 1 && np >= 0 && rows >= B && (B == 0 || cu[0] == 0);
   for (int64_t i = 0; i < B && valid; ++i) {
     const int64_t n = static_cast<int64_t>(cu[i + 1]) - cu[i];
     valid = n >= 0 && kvl[i] >= n;
     if (!valid || n == 0) continue;
-    valid = kvl[i] <= width * ps && (topk_mode || kvl[i] <= lwidth);
-    for (int64_t p = 0; valid && max_page_id < 0 && p < (kvl[i] + ps - 1) / ps; ++p)
+    valid = kvl[i] <= width * pt && (topk_mode || keys[i] <= lwidth);
+    for (int64_t p = 0; valid && max_page_id < 0 && p < (kvl[i] + pt - 1) / pt; ++p)
       valid = bt[i * bt_s0 + p] >= 0 && bt[i * bt_s0 + p] < np;
   }
+  for (int64_t i = 0; i < B && valid && R > 1; ++i) valid = keys[i] == kvl[i] / R;
   valid = valid && max_page_id < np && (B > 0 ? cu[B] : 0) == T;
   if (!valid) {
     FZ_CHECK(!err.empty(), "a malformed indexer call was accepted (B %lld, T %lld, Hi %lld, Di %lld, qbs %lld, topk %lld)",
@@ -217,7 +235,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int64_t i = 0; i < B; ++i) {
     const int64_t n = cu[i + 1] - cu[i], L = kvl[i];
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = cu[i] + j, lim = L - n + j;  // sees positions 0 .. lim
+      const int64_t t = cu[i] + j, lim = (L - n + j + 1) / R - 1;  // sees keys 0 .. lim
       if (!topk_mode) {
         for (int64_t p = 0; p < lwidth; ++p) {
           const float got = logits[t * lwidth + p];

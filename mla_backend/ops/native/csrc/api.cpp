@@ -32,10 +32,11 @@ TORCH_LIBRARY(MLA_OPS_NS, m) {
   m.def(
       "native_indexer_topk(Tensor q_I, Tensor weights, Tensor index_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_lens, int quant_block_size, int topk, int max_page_id, "
-      "Tensor(a!) out) -> ()");
+      "Tensor(a!) out, int ratio=1) -> ()");
   m.def(
       "native_indexer_logits(Tensor q_I, Tensor weights, Tensor index_cache, Tensor block_table, "
-      "Tensor cu_seqlens_q, Tensor kv_lens, int quant_block_size, int width, int max_page_id) -> Tensor");
+      "Tensor cu_seqlens_q, Tensor kv_lens, int quant_block_size, int width, int max_page_id, "
+      "int ratio=1) -> Tensor");
   // sparse_attention.cpp
   m.def(
       "native_sparse_attention(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "

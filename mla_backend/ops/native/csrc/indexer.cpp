@@ -77,7 +77,13 @@ struct IndexParams {
   const int32_t* bt = nullptr;
   int64_t bt_s0 = 0;
   const int32_t* cu = nullptr;   // [B + 1]
-  const int32_t* kvl = nullptr;  // [B]
+  const int32_t* kvl = nullptr;  // [B] keys per request
+  // Keys over tokens (DeepSeek-V4's compressed keys: one per `ratio` tokens; 1 = DSA, a key per
+  // token). With ratio > 1, qkvl [B] holds the requests' token lengths, kvl[i] = qkvl[i] / ratio,
+  // the token at position p sees keys 0 .. (p + 1) / ratio - 1, and a block-table page holds
+  // page_size keys = page_size x ratio tokens (vLLM's compressed caches).
+  int64_t ratio = 1;
+  const int32_t* qkvl = nullptr;
   // outputs: logits [T, width] at row stride logits_s0 (visible positions written), or the
   // top-k [T, topk] int32
   float* logits = nullptr;
@@ -104,11 +110,17 @@ inline std::string validate_indexer(const IndexParams& P, const Bounds& b) {
     return cat("quant_block_size ", P.qbs, " must be even and at least index_head_dim / 64 when a ",
                "key has several scales (index_head_dim ", P.Di, ")");
   if (P.out != nullptr && P.topk < 1) return cat("topk ", P.topk, " must be >= 1");
-  Params A;  // the attention's checks of the same indices
-  A.H = 1, A.r = 1, A.rope = 0, A.B = P.B, A.page_size = P.page_size, A.num_pages = P.num_pages;
-  A.bt = P.bt, A.bt_s0 = P.bt_s0, A.cu = P.cu, A.kvl = P.kvl;
+  if (P.ratio < 1 || (P.ratio > 1 && P.B > 0 && P.qkvl == nullptr))
+    return cat("ratio ", P.ratio, " must be >= 1, with the requests' token lengths when > 1");
+  Params A;  // the attention's checks of the same indices (over tokens: pages of ratio x keys)
+  A.H = 1, A.r = 1, A.rope = 0, A.B = P.B, A.page_size = P.page_size * P.ratio, A.num_pages = P.num_pages;
+  A.bt = P.bt, A.bt_s0 = P.bt_s0, A.cu = P.cu, A.kvl = P.qkvl != nullptr ? P.qkvl : P.kvl;
   if (std::string err = validate(A, b); !err.empty()) return err;
-  if (P.logits != nullptr)
+  if (P.qkvl != nullptr)
+    for (int64_t i = 0; i < P.B; ++i)
+      if (P.kvl[i] != P.qkvl[i] / P.ratio)
+        return cat("keys[", i, "] = ", P.kvl[i], " != kv_lens[", i, "] / ratio = ", P.qkvl[i] / P.ratio);
+  if (P.out == nullptr)  // the logits mode (whatever the buffer: a null one of width 0 included)
     for (int64_t i = 0; i < P.B; ++i)
       if (P.cu[i + 1] > P.cu[i] && P.kvl[i] > P.width)
         return cat("kv_lens[", i, "] = ", P.kvl[i], " exceeds the logits' width ", P.width);
@@ -304,7 +316,10 @@ struct IdxScratch {
 inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch& S,
                              int64_t* pcand, int32_t* pcnt) {
   const int64_t i = it.req, Hi = P.Hi, Di = P.Di, ps = P.page_size;
-  const int64_t n = P.cu[i + 1] - P.cu[i], L = P.kvl[i], P0 = L - n;
+  const int64_t n = P.cu[i + 1] - P.cu[i], L = P.kvl[i];
+  const int64_t P0 = (P.qkvl != nullptr ? P.qkvl[i] : L) - n;  // the block's tokens sit at P0 + j
+  const int64_t R = P.ratio;
+  auto seen = [R](int64_t pos) { return (pos + 1) / R; };  // keys the token at pos sees
   const int TB = it.j1 - it.j0;
   const int64_t ncols = mla_core::round_up(TB * Hi, mla_core::kCols);
   const int64_t kp = mla_core::cdiv(Di, 2), lda = mla_core::round_up(Di, mla_core::kKAlign);
@@ -333,7 +348,7 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
     if (whole) S.lb.resize(static_cast<size_t>(TB * span));
   }
   float kscale[kKeyRows * 64];  // per key row and block
-  const int64_t kend = std::min<int64_t>(it.kv1, P0 + it.j1);  // the block's last token sees < this
+  const int64_t kend = std::min<int64_t>(it.kv1, seen(P0 + it.j1 - 1));  // the block's last token sees < this
   for (int64_t p0 = it.kv0; p0 < kend; p0 += kKeyRows) {
     const int M = static_cast<int>(std::min<int64_t>(kKeyRows, kend - p0));
     const int rows = mla_core::padded_rows(M);
@@ -385,7 +400,7 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
     }
     // epilogue: per key and token, sum_h w * max(C, 0) (x the key's scale)
     for (int tau = 0; tau < TB; ++tau) {
-      const int64_t t = P.cu[i] + it.j0 + tau, lim = P0 + it.j0 + tau;  // sees positions <= lim
+      const int64_t t = P.cu[i] + it.j0 + tau, lim = seen(P0 + it.j0 + tau) - 1;  // sees keys <= lim
       const float* w = P.w + t * P.w_s0;
       const int mv = static_cast<int>(std::min<int64_t>(M, lim - p0 + 1));
       for (int m = 0; m < mv; ++m) {
@@ -408,7 +423,7 @@ inline void run_indexer_item(const IndexParams& P, const IdxItem& it, IdxScratch
     std::vector<int64_t>& v = S.tk[tau].v;
     const int64_t t = P.cu[i] + it.j0 + tau;
     if (whole) {  // the token's visible keys of the item: positions kv0 .. min(kv1, lim + 1)
-      const int64_t nv = std::max<int64_t>(0, std::min(it.kv1, P0 + it.j0 + tau + 1) - it.kv0);
+      const int64_t nv = std::max<int64_t>(0, std::min(it.kv1, seen(P0 + it.j0 + tau)) - it.kv0);
       select_best(S.lb.data() + tau * span, nv, it.kv0, P.topk, v, S.cand);
     }
     if (it.nsplit == 1) {
@@ -443,6 +458,10 @@ inline std::string indexer(const IndexParams& P, const Bounds& b, const Parallel
   for (int64_t i = 0; i < P.B; ++i) {
     const int64_t n = P.cu[i + 1] - P.cu[i], L = P.kvl[i];
     if (n == 0) continue;
+    if (L == 0) {  // no key yet (compressed keys before the first is complete): nothing selected
+      if (P.out != nullptr) std::fill(P.out + P.cu[i] * P.topk, P.out + P.cu[i + 1] * P.topk, -1);
+      continue;
+    }
     const int64_t ns = P.out != nullptr && split ? std::max<int64_t>(1, ceil_div(L, chunk)) : 1;
     const int64_t len = round_up(ceil_div(L, ns), kKeyRows);
     const int64_t poff = ns > 1 ? slots : 0;
@@ -509,7 +528,8 @@ at::Tensor i32(const at::Tensor& t, const char* name) {
 core::IndexParams index_params(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                                const at::Tensor& block_table, const at::Tensor& cu_in,
                                const at::Tensor& kvl_in, int64_t quant_block_size,
-                               std::vector<at::Tensor>& keep, core::Bounds& b, int64_t max_page_id) {
+                               std::vector<at::Tensor>& keep, core::Bounds& b, int64_t max_page_id,
+                               int64_t ratio) {
   TORCH_CHECK(q.device().is_cpu() && weights.device().is_cpu() && cache.device().is_cpu(),
               "mla native indexer: tensors must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q_I must be [T, Hi, Di] with a contiguous last dim, got ",
@@ -543,7 +563,9 @@ core::IndexParams index_params(const at::Tensor& q, const at::Tensor& weights, c
   TORCH_CHECK(bt.dim() == 2, "block_table must be [B, max_pages], got ", bt.sizes());
   bt = i32(bt, "block_table");
   at::Tensor cu = i32(cu_in, "cu_seqlens_q"), kvl = i32(kvl_in, "kv_lens");
-  keep = {bt, cu, kvl};
+  TORCH_CHECK(ratio >= 1, "ratio ", ratio, " must be >= 1 (tokens per key)");
+  at::Tensor keys = ratio > 1 ? at::floor_divide(kvl, ratio).contiguous() : kvl;  // keys per request
+  keep = {bt, cu, kvl, keys};
   const int64_t es = cache.element_size();
   P.T = T, P.Hi = Hi, P.Di = Di, P.B = kvl.numel(), P.page_size = cache.size(1), P.num_pages = cache.size(0);
   TORCH_CHECK(cu.numel() == P.B + 1, "cu_seqlens_q must be [B + 1] = [", P.B + 1, "], got ", cu.sizes());
@@ -555,7 +577,8 @@ core::IndexParams index_params(const at::Tensor& q, const at::Tensor& weights, c
   P.cache = static_cast<const uint8_t*>(cache.data_ptr()), P.c_s0 = cache.stride(0) * es;
   P.qbs = quant_block_size;
   P.bt = bt.data_ptr<int32_t>(), P.bt_s0 = bt.stride(0);
-  P.cu = cu.data_ptr<int32_t>(), P.kvl = kvl.data_ptr<int32_t>();
+  P.cu = cu.data_ptr<int32_t>(), P.kvl = keys.data_ptr<int32_t>();
+  P.ratio = ratio, P.qkvl = ratio > 1 ? kvl.data_ptr<int32_t>() : nullptr;
   b = core::Bounds{T, bt.size(0), bt.size(1), max_page_id};
   return P;
 }
@@ -564,11 +587,12 @@ core::IndexParams index_params(const at::Tensor& q, const at::Tensor& weights, c
 
 void indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                   const at::Tensor& block_table, const at::Tensor& cu, const at::Tensor& kv_lens,
-                  int64_t quant_block_size, int64_t topk, int64_t max_page_id, const at::Tensor& out) {
+                  int64_t quant_block_size, int64_t topk, int64_t max_page_id, const at::Tensor& out,
+                  int64_t ratio) {
   std::vector<at::Tensor> keep;
   core::Bounds b;
   core::IndexParams P =
-      index_params(q, weights, cache, block_table, cu, kv_lens, quant_block_size, keep, b, max_page_id);
+      index_params(q, weights, cache, block_table, cu, kv_lens, quant_block_size, keep, b, max_page_id, ratio);
   TORCH_CHECK(out.scalar_type() == at::kInt && out.is_contiguous() && out.dim() == 2 && out.size(0) == P.T &&
                   out.size(1) == topk,
               "out must be [T, topk] = [", P.T, ", ", topk, "] int32 contiguous, got ", out.scalar_type(), " ",
@@ -582,11 +606,11 @@ void indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tens
 
 at::Tensor indexer_logits(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                           const at::Tensor& block_table, const at::Tensor& cu, const at::Tensor& kv_lens,
-                          int64_t quant_block_size, int64_t width, int64_t max_page_id) {
+                          int64_t quant_block_size, int64_t width, int64_t max_page_id, int64_t ratio) {
   std::vector<at::Tensor> keep;
   core::Bounds b;
   core::IndexParams P =
-      index_params(q, weights, cache, block_table, cu, kv_lens, quant_block_size, keep, b, max_page_id);
+      index_params(q, weights, cache, block_table, cu, kv_lens, quant_block_size, keep, b, max_page_id, ratio);
   at::Tensor logits = at::full({P.T, width}, -std::numeric_limits<float>::infinity(), weights.options());
   P.logits = logits.data_ptr<float>();
   P.logits_s0 = width;

@@ -45,13 +45,15 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q, const
 std::tuple<at::Tensor, at::Tensor> decompress(const at::Tensor& c_kv, const at::Tensor& k_pe,
                                               const at::Tensor& W_UK, const at::Tensor& W_UV);
 
-// indexer.cpp: DSA's lightning indexer, its causal top-k (into out) or its logits
+// indexer.cpp: DSA's lightning indexer, its causal top-k (into out) or its logits; ratio > 1:
+// over compressed keys (one per ratio tokens, DeepSeek-V4), kv_lens still counting tokens
 void indexer_topk(const at::Tensor& q_I, const at::Tensor& weights, const at::Tensor& index_cache,
                   const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
-                  int64_t quant_block_size, int64_t topk, int64_t max_page_id, const at::Tensor& out);
+                  int64_t quant_block_size, int64_t topk, int64_t max_page_id, const at::Tensor& out,
+                  int64_t ratio);
 at::Tensor indexer_logits(const at::Tensor& q_I, const at::Tensor& weights, const at::Tensor& index_cache,
                           const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& kv_lens,
-                          int64_t quant_block_size, int64_t width, int64_t max_page_id);
+                          int64_t quant_block_size, int64_t width, int64_t max_page_id, int64_t ratio);
 
 // sparse_attention.cpp: DSA's sparse absorbed attention (into out / lse)
 void sparse_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& kv_cache,
