@@ -16,41 +16,20 @@ import mla_backend as mb
 from mla_backend import compressor as cz
 from mla_backend import v4_layer as v4a
 from mla_backend.rope import rope_interleaved
+from mla_backend.testing import v4_oracle as vo
 
 transformers = pytest.importorskip("transformers")
 v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-HIDDEN, H, D, ROPE, Q_LORA, WINDOW, TOPK = 32, 4, 64, 16, 24, 8, 3
-KINDS = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
-         "hca": "heavily_compressed_attention"}  # fmt: skip
+HIDDEN, H, D, ROPE, WINDOW, TOPK = 32, 4, 64, 16, 8, 3
 RATIO = {"sliding": 0, "csa": 4, "hca": 8}
-
-
-def _config(kind: str) -> transformers.DeepseekV4Config:
-    cfg = transformers.DeepseekV4Config(
-        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=H,
-        head_dim=D, partial_rotary_factor=ROPE / D, q_lora_rank=Q_LORA, index_n_heads=2,
-        index_head_dim=16, index_topk=TOPK, layer_types=[KINDS[kind]],
-        compress_rates={KINDS["csa"]: RATIO["csa"], KINDS["hca"]: RATIO["hca"]},
-        rope_parameters={"rope_type": "yarn", "factor": 16.0,
-                         "original_max_position_embeddings": 256},
-        sliding_window=WINDOW, o_groups=2, o_lora_rank=8, max_position_embeddings=4096,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    return cfg
 
 
 def _layer(kind: str, seed: int):
     torch.manual_seed(seed)
-    cfg = _config(kind)
-    attn = v4.DeepseekV4Attention(cfg, 0).float().eval()
-    with torch.no_grad():
-        for name, p in attn.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.5 if p.dim() < 2 else p.shape[-1] ** -0.5)
-    return cfg, attn, v4.DeepseekV4RotaryEmbedding(cfg)
+    cfg = vo.v4_config(kind, heads=H, index_topk=TOPK, hca_ratio=RATIO["hca"], window=WINDOW,
+                       o_groups=2)  # fmt: skip
+    return cfg, vo.randomize(v4.DeepseekV4Attention(cfg, 0)), v4.DeepseekV4RotaryEmbedding(cfg)
 
 
 def _mask(pos0: int, n: int, cached: int) -> torch.Tensor:
@@ -85,12 +64,6 @@ def _reference(cfg, attn, rotary, x: torch.Tensor, chunks: list[int], indices: l
     return outs
 
 
-def _table(rotary, kind: str, n: int) -> torch.Tensor:
-    t = "main" if kind == "sliding" else "compress"
-    cos, sin = rotary(torch.zeros(1), torch.arange(n).unsqueeze(0), layer_type=t)
-    return torch.cat([cos[0], sin[0]], -1).float()
-
-
 def _pages(B: int, tokens: int, ps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A shuffled block table for B requests of up to ``tokens`` rows and a NaN-filled cache
     (rows never written stay NaN: reading one would show)."""
@@ -105,14 +78,7 @@ def test_layer_equals_transformers(kind: str, page_size: int, seed: int) -> None
     cfg, attn, rotary = _layer(kind, seed)
     rng = random.Random(seed)
     B, ratio = 3, RATIO[kind]
-    schedules = []
-    for _ in range(B):
-        left, chunks = rng.randint(20, 40), []
-        while left:
-            n = min(left, rng.choice([1, 1, 3, 5, 9, 17]))
-            chunks.append(n)
-            left -= n
-        schedules.append(chunks)
+    schedules = vo.chunk_schedules(rng, B, (20, 40), [1, 1, 3, 5, 9, 17])
     xs = [torch.randn(sum(c), HIDDEN) for c in schedules]
     sel: list[list[torch.Tensor]] = [[] for _ in range(B)]
     want = [
@@ -121,7 +87,7 @@ def test_layer_equals_transformers(kind: str, page_size: int, seed: int) -> None
 
     lens = [sum(c) for c in schedules]
     bt, cache = _pages(B, max(lens), page_size)
-    cos_sin = _table(rotary, kind, max(lens) + 1)
+    cos_sin = vo.cos_sin_table(rotary, "main" if kind == "sliding" else "compress", max(lens) + 1)
     comp = attn.compressor
     if comp is not None:
         spec = cz.CompressorSpec(ratio, D, overlap=kind == "csa", rope_dim=ROPE,
@@ -144,18 +110,13 @@ def test_layer_equals_transformers(kind: str, page_size: int, seed: int) -> None
             q = attn.q_b_norm(attn.q_b_proj(q_res).view(-1, H, D))
             q = rope_interleaved(q, cos_sin, pos)
             kv = rope_interleaved(attn.kv_norm(attn.kv_proj(h)), cos_sin, pos)
-        slots = bt.long()[reqs, pos // page_size] * page_size + pos % page_size
-        mb.write_latent(cache, kv[:, : D - ROPE], kv[:, D - ROPE :], slots)
+        mb.write_latent(
+            cache, kv[:, : D - ROPE], kv[:, D - ROPE :], vo.slots(bt, reqs, pos, page_size)
+        )
         compressed = indices = None
         if comp is not None:
-            sslots = sbt.long()[reqs, pos // page_size] * page_size + pos % page_size
-            with torch.no_grad():
-                ckv, cscore = comp.kv_proj(h), comp.gate_proj(h)
-            cz.save_states(ckv, cscore, comp.position_bias, pos, state, sslots, spec)
-            sched = cz.schedule(batch, ratio)
-            entries = cz.compress(state, sbt, sched, spec, comp.kv_norm.weight.detach(), cos_sin)
-            w = sched.entries
-            eslots = cbt.long()[sched.reqs, w // page_size] * page_size + w % page_size
+            sched, entries = vo.compress_step(comp, spec, h, batch, state, sbt, cos_sin)
+            eslots = vo.slots(cbt, sched.reqs, sched.entries, page_size)
             mb.write_latent(ccache, entries[:, : D - ROPE], entries[:, D - ROPE :], eslots)
             compressed = mb.KeyCache(ccache, cbt, sched.num_entries_t)
             if kind == "hca":

@@ -12,25 +12,12 @@ import torch
 
 import mla_backend as mb
 from mla_backend import compressor as cz
+from mla_backend.testing import v4_oracle as vo
 
 transformers = pytest.importorskip("transformers")
 v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 HIDDEN, D, ROPE, Q_LORA = 32, 64, 16, 24
-KINDS = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
-
-
-def _config(kind: str, ratio: int) -> transformers.DeepseekV4Config:
-    return transformers.DeepseekV4Config(
-        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
-        head_dim=D, partial_rotary_factor=ROPE / D, q_lora_rank=Q_LORA, index_n_heads=2,
-        index_head_dim=16, index_topk=4, layer_types=[KINDS[kind]],
-        compress_rates={KINDS["csa"]: ratio if kind == "csa" else 4,
-                        KINDS["hca"]: ratio if kind == "hca" else 128},
-        rope_parameters={"rope_type": "yarn", "factor": 16.0,
-                         "original_max_position_embeddings": 64},
-        sliding_window=8, o_groups=1, o_lora_rank=8, max_position_embeddings=4096,
-    )  # fmt: skip
 
 
 class _Cache:
@@ -42,13 +29,10 @@ class _Cache:
 
 def _oracle(kind: str, ratio: int, seed: int):
     torch.manual_seed(seed)
-    cfg = _config(kind, ratio)
+    cfg = vo.v4_config(kind, csa_ratio=ratio if kind == "csa" else 4,
+                       hca_ratio=ratio if kind == "hca" else 128)  # fmt: skip
     cls = v4.DeepseekV4CSACompressor if kind == "csa" else v4.DeepseekV4HCACompressor
-    comp = cls(cfg).float().eval()
-    with torch.no_grad():
-        for p in comp.parameters():
-            p.normal_(0, 0.5)
-    return cfg, comp
+    return cfg, vo.randomize(cls(cfg))
 
 
 def _reference_entries(cfg, comp, kind: str, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
@@ -66,11 +50,6 @@ def _reference_entries(cfg, comp, kind: str, x: torch.Tensor, chunks: list[int])
     return out[0, 0]
 
 
-def _cos_sin(comp, n: int) -> torch.Tensor:
-    cos, sin = comp.rotary_emb(torch.zeros(1), torch.arange(n).unsqueeze(0), layer_type="compress")
-    return torch.cat([cos[0], sin[0]], -1).float()
-
-
 @pytest.mark.parametrize(
     ("kind", "ratio", "page_size"),
     [("csa", 4, 1), ("csa", 4, 3), ("csa", 4, 16), ("hca", 8, 4), ("hca", 128, 16)],
@@ -82,15 +61,9 @@ def test_entries_equal_transformers(kind: str, ratio: int, page_size: int, seed:
     spec = cz.CompressorSpec(ratio, D, overlap=kind == "csa", rope_dim=ROPE, eps=cfg.rms_norm_eps)
     B = 3
     # per request: chunks of a prefill (some not window-aligned), continuations, decodes
-    total_tokens = 3 * ratio + 5 if ratio > 8 else 41
-    schedules = []
-    for _ in range(B):
-        left, chunks = rng.randint(total_tokens // 2, total_tokens), []
-        while left:
-            n = min(left, rng.choice([1, 1, 2, ratio - 1, ratio + 1, 2 * ratio + 3]))
-            chunks.append(n)
-            left -= n
-        schedules.append(chunks)
+    total = 3 * ratio + 5 if ratio > 8 else 41
+    schedules = vo.chunk_schedules(rng, B, (total // 2, total),
+                                   [1, 1, 2, ratio - 1, ratio + 1, 2 * ratio + 3])  # fmt: skip
     xs = [torch.randn(sum(c), HIDDEN) for c in schedules]
     want = [_reference_entries(cfg, comp, kind, x, c) for x, c in zip(xs, schedules, strict=True)]
 
@@ -99,22 +72,14 @@ def test_entries_equal_transformers(kind: str, ratio: int, page_size: int, seed:
     perm = torch.randperm(B * pages_per_req + 2)
     bt = perm[: B * pages_per_req].view(B, pages_per_req).int()
     state = torch.full((B * pages_per_req + 2, page_size, spec.state_width), float("nan"))
-    cos_sin = _cos_sin(comp, max(lens) + 1)
+    cos_sin = vo.cos_sin_table(comp.rotary_emb, "compress", max(lens) + 1)
     got: list[list[torch.Tensor]] = [[] for _ in range(B)]
     done = [0] * B
     for step in range(max(len(c) for c in schedules)):
         new = [c[step] if step < len(c) else 0 for c in schedules]
         batch = mb.MLABatch.build(done, new, bt, page_size)
-        rows = [xs[i][done[i] : done[i] + new[i]] for i in range(B)]
-        h = torch.cat(rows)
-        positions = batch.positions()
-        reqs = torch.repeat_interleave(torch.arange(B), torch.tensor(new))
-        slots = bt.long()[reqs, positions // page_size] * page_size + positions % page_size
-        with torch.no_grad():
-            kv, score = comp.kv_proj(h), comp.gate_proj(h)
-        cz.save_states(kv, score, comp.position_bias, positions, state, slots, spec)
-        sched = cz.schedule(batch, ratio)
-        entries = cz.compress(state, bt, sched, spec, comp.kv_norm.weight.detach(), cos_sin)
+        h = torch.cat([xs[i][done[i] : done[i] + new[i]] for i in range(B)])
+        sched, entries = vo.compress_step(comp, spec, h, batch, state, bt, cos_sin)
         for e in range(sched.num_emitted):
             r, w = int(sched.reqs[e]), int(sched.entries[e])
             assert w == len(got[r])  # entries come in order, each once

@@ -15,6 +15,7 @@ import torch
 import mla_backend as mb
 from mla_backend import compressor as cz
 from mla_backend.rope import rope_interleaved
+from mla_backend.testing import v4_oracle as vo
 
 transformers = pytest.importorskip("transformers")
 v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -24,24 +25,8 @@ HIDDEN, D, ROPE, Q_LORA, HI, DI, RATIO = 32, 64, 16, 24, 4, 32, 4
 
 def _indexer(topk: int, seed: int):
     torch.manual_seed(seed)
-    cfg = transformers.DeepseekV4Config(
-        vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
-        head_dim=D, partial_rotary_factor=ROPE / D, q_lora_rank=Q_LORA, index_n_heads=HI,
-        index_head_dim=DI, index_topk=topk, layer_types=["compressed_sparse_attention"],
-        compress_rates={"compressed_sparse_attention": RATIO,
-                        "heavily_compressed_attention": 128},
-        rope_parameters={"rope_type": "yarn", "factor": 16.0,
-                         "original_max_position_embeddings": 256},
-        sliding_window=8, o_groups=1, o_lora_rank=8, max_position_embeddings=4096,
-    )  # fmt: skip
-    idx = v4.DeepseekV4Indexer(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in idx.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.5 if p.dim() < 2 else p.shape[-1] ** -0.5)
-    return cfg, idx
+    cfg = vo.v4_config("csa", index_heads=HI, index_head_dim=DI, index_topk=topk)
+    return cfg, vo.randomize(v4.DeepseekV4Indexer(cfg))
 
 
 def _reference(cfg, idx, x: torch.Tensor, q_res: torch.Tensor, chunks: list[int]) -> list:
@@ -79,14 +64,7 @@ def test_selection_equals_transformers(topk: int, page_size: int, seed: int) -> 
     cfg, idx = _indexer(topk, seed)
     rng = random.Random(seed)
     B = 3
-    schedules = []
-    for _ in range(B):
-        left, chunks = rng.randint(20, 48), []
-        while left:
-            n = min(left, rng.choice([1, 1, 2, 3, 7, 13]))
-            chunks.append(n)
-            left -= n
-        schedules.append(chunks)
+    schedules = vo.chunk_schedules(rng, B, (20, 48), [1, 1, 2, 3, 7, 13])
     xs = [torch.randn(sum(c), HIDDEN) for c in schedules]
     qs = [torch.randn(sum(c), Q_LORA) for c in schedules]
     want = [_reference(cfg, idx, x, q, c) for x, q, c in zip(xs, qs, schedules, strict=True)]
@@ -99,9 +77,7 @@ def test_selection_equals_transformers(topk: int, page_size: int, seed: int) -> 
     key_pages = -(-max(lens) // (page_size * RATIO))
     ibt = torch.randperm(B * key_pages + 1)[: B * key_pages].view(B, key_pages).int()
     icache = torch.full((B * key_pages + 1, page_size, DI), float("nan"))
-    rot = idx.rotary_emb
-    cos, sin = rot(torch.zeros(1), torch.arange(max(lens) + 1).unsqueeze(0), layer_type="compress")
-    cos_sin = torch.cat([cos[0], sin[0]], -1).float()
+    cos_sin = vo.cos_sin_table(idx.rotary_emb, "compress", max(lens) + 1)
     dims = mb.IndexerDims(HI, DI, topk, compress_ratio=RATIO)
     done, checked = [0] * B, 0
     for step in range(max(len(c) for c in schedules)):
@@ -111,17 +87,11 @@ def test_selection_equals_transformers(topk: int, page_size: int, seed: int) -> 
         q_res = torch.cat([qs[i][done[i] : done[i] + new[i]] for i in range(B)])
         state_batch = mb.MLABatch.build(done, new, sbt, page_size)
         pos = state_batch.positions()
-        reqs = torch.repeat_interleave(torch.arange(B), torch.tensor(new))
         with torch.no_grad():  # the engine's part: projections, RoPE, folded weights
-            ckv, cscore = idx.kv_proj(h), idx.gate_proj(h)
             q_I = rope_interleaved(idx.q_b_proj(q_res).view(-1, HI, DI), cos_sin, pos)
             w = idx.scorer.weights_proj(h) * HI**-0.5 * DI**-0.5
-        sslots = sbt.long()[reqs, pos // page_size] * page_size + pos % page_size
-        cz.save_states(ckv, cscore, idx.position_bias, pos, state, sslots, spec)
-        sched = cz.schedule(state_batch, RATIO)
-        keys = cz.compress(state, sbt, sched, spec, idx.kv_norm.weight.detach(), cos_sin)
-        e = sched.entries
-        eslots = ibt.long()[sched.reqs, e // page_size] * page_size + e % page_size
+        sched, keys = vo.compress_step(idx, spec, h, state_batch, state, sbt, cos_sin)
+        eslots = vo.slots(ibt, sched.reqs, sched.entries, page_size)
         mb.write_index_keys(icache, keys, eslots)
         batch = mb.MLABatch.build(done, new, ibt, page_size * RATIO)
         plan = mb.plan(batch, mb.v4_dims(2, D, ROPE), indexer=dims)

@@ -11,6 +11,8 @@
   yarn) with the paper's absorbed and decompressed-cache (CD) variants.
 - :mod:`.host`: the CPU model, torch's capability and our native ISA levels (every demo and
   benchmark result names them).
+- :mod:`.v4_oracle`: DeepSeek-V4's tests' shared parts (tiny transformers configs and modules,
+  request chunking, slots, a compressor step through the core).
 
 Nothing here imports or drives an engine (``tests/test_repo_imports.py`` checks): the scaffolding
 that does (vLLM runs, CPU imitation, engine servers) is ``mla_backend_integrations._testing``
