@@ -439,7 +439,8 @@ def _write_model(out: Path, cfg: dict[str, Any], raw: dict[str, Any], torch_dtyp
 
     vocab_size = cfg["vocab_size"]
     max_position_embeddings = cfg["max_position_embeddings"]
-    weights = {k: t.to(torch_dtype).contiguous() for k, t in raw.items()}
+    weights = {k: (t.to(torch_dtype) if t.is_floating_point() else t).contiguous()
+               for k, t in raw.items()}  # fmt: skip (index tables stay integers)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
