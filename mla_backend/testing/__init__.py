@@ -7,8 +7,8 @@
 - :mod:`.oracle`: teacher-forced log-probs of a transformers model for many served requests.
 - :mod:`.reference`: the oracle, the paper's decompressed attention written plainly in fp32.
 - :mod:`.tiny_model`: generator of tiny DeepSeek-V2 checkpoints (config, safetensors, tokenizer).
-- :mod:`.tiny_v4`: generator of tiny DeepSeek-V4 checkpoints (DeepSeek's original names; transformers
-  draws the module shapes).
+- :mod:`.tiny_v4`: generator of tiny DeepSeek-V4 checkpoints (DeepSeek's original names;
+  transformers draws the module shapes).
 - :mod:`.layer`, :mod:`.rope`, :mod:`.decompressed`: a full MLA layer (q_lora, RMSNorm, RoPE +
   yarn) with the paper's absorbed and decompressed-cache (CD) variants.
 - :mod:`.host`: the CPU model, torch's capability and our native ISA levels (every demo and

@@ -401,3 +401,34 @@ def test_gpu_sparse_benchmark_dry_run(tmp_path):
     text = (tmp_path / "gpu_sparse-latest.md").read_text()
     rows = [x for x in text.splitlines() if x.replace(" ", "").startswith("|2|150|16|")]
     assert len(rows) == 1 and "fp8_ds_mla" in rows[0]
+
+
+@pytest.mark.parametrize("ratio", [2, 4, 7])
+def test_indexer_over_compressed_keys(ratio):
+    """DeepSeek-V4's CSA indexer (``IndexerDims(compress_ratio=m)``): the token at p sees keys
+    0 .. (p + 1) // m - 1 of a cache whose pages hold page_size / m keys: logits -inf exactly
+    past them and close to the torch path's, the top-k equal to the torch path's (fp32 keys and
+    queries), a token with no key yet selecting nothing."""
+    g = torch.Generator().manual_seed(ratio)
+    prefix, new, ps, Hi, Di, topk = [0, 9, 30], [13, 1, 6], 2, 4, 32, 4
+    lens = [a + b for a, b in zip(prefix, new, strict=True)]
+    pages = -(-max(lens) // (ps * ratio))
+    bt = torch.randperm(3 * pages, generator=g).view(3, pages).int()
+    keys = torch.randn(3 * pages, ps, Di, generator=g)
+    batch = mb.MLABatch.build(prefix, new, bt, ps * ratio)
+    dims, ix = mb.MLADims(4, R, 8, ROPE, 8), mb.IndexerDims(Hi, Di, topk, compress_ratio=ratio)
+    T = batch.num_tokens
+    q = torch.randn(T, Hi, Di, generator=g)
+    w = torch.rand(T, Hi, generator=g)
+    plan_t = mb.plan(batch, dims, mb.Policy("absorb"), impl="torch", indexer=ix)
+    plan = mb.plan(batch, dims, mb.Policy("absorb"), device=DEVICE, impl=TritonKernels(),
+                   indexer=ix)  # fmt: skip
+    dq, dw, dk = q.to(DEVICE), w.to(DEVICE), keys.to(DEVICE)
+    lg = mb.indexer_logits(dq, dw, dk, plan).cpu()
+    want = mb.indexer_logits(q, w, keys, plan_t)
+    assert torch.equal(torch.isinf(lg), torch.isinf(want))
+    torch.testing.assert_close(lg, want, rtol=1e-4, atol=1e-4)
+    sel = mb.indexer_topk(dq, dw, dk, plan, topk).cpu()
+    assert torch.equal(sel, mb.indexer_topk(q, w, keys, plan_t, topk))
+    first = batch.positions() < ratio - 1  # no key complete yet
+    assert first.any() and (sel[first] == -1).all()

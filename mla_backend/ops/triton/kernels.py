@@ -205,15 +205,13 @@ class Kernels(KernelImpl):
     def write_index_keys(self, w: IndexKeyWrite) -> None:
         dsa.write_index_keys(w)
 
-    # compressed keys (V4's CSA indexer, ratio > 1): the torch default, until the kernels
-    # take a ratio
     def indexer_logits(self, call: IndexerCall) -> torch.Tensor:
-        if not dsa.indexer_supported(call.layout.scales_per_key) or call.sparse.ratio > 1:
+        if not dsa.indexer_supported(call.layout.scales_per_key):
             return TORCH.indexer_logits(call)
         return dsa.indexer_logits(call, fp8_mode=self.fp8_mode)
 
     def indexer_topk(self, call: IndexerCall) -> torch.Tensor:
-        if not dsa.indexer_supported(call.layout.scales_per_key) or call.sparse.ratio > 1:
+        if not dsa.indexer_supported(call.layout.scales_per_key):
             return TORCH.indexer_topk(call)
         return dsa.indexer_topk(call, fp8_mode=self.fp8_mode)
 
