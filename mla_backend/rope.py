@@ -25,10 +25,9 @@ def rope_interleaved(
     cs = cos_sin.float()[pos.long()]
     cs = cs.view(cs.shape[0], *([1] * (x.dim() - 2)), rope)
     cos, sin = cs[..., : rope // 2], cs[..., rope // 2 :]
-    if inverse:
-        sin = -sin
-    a, b = x[..., -rope::2].float(), x[..., -rope + 1 :: 2].float()
+    # each pair as a complex number times e^{+-i angle}: (a + ib)(cos + i sin)
+    turn = torch.complex(cos, -sin if inverse else sin)
+    pairs = torch.view_as_complex(x[..., -rope:].float().reshape(*x.shape[:-1], rope // 2, 2))
     out = x.clone()
-    out[..., -rope::2] = (a * cos - b * sin).to(x.dtype)
-    out[..., -rope + 1 :: 2] = (b * cos + a * sin).to(x.dtype)
+    out[..., -rope:] = torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
     return out
