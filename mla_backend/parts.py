@@ -145,12 +145,14 @@ class SparsePart:
         token_pos_t: [T] int32 logical position of each query token.
         max_kv_len: the most keys a request has (host int; the logits' width): its kv length,
             over ``ratio`` with compressed keys.
-        ratio: tokens per key (``indexer.compress_ratio``): token t sees keys
-            ``0 .. (token_pos_t[t] + 1) // ratio - 1``.
+        ratio: tokens per key (``indexer.compress_ratio``).
+        token_last_t: [T] int32 the last key each token sees, ``(token_pos_t + 1) // ratio - 1``
+            (-1: none yet); ``token_pos_t`` itself when ratio is 1. What the indexers read.
     """
 
     indexer: IndexerDims
     token_req_t: torch.Tensor
     token_pos_t: torch.Tensor
     max_kv_len: int
-    ratio: int = 1
+    ratio: int
+    token_last_t: torch.Tensor

@@ -111,8 +111,7 @@ class MLAPlan:
             new_part, new_sp = fresh.dsa_routes[name]  # type: ignore[index]
             pairs.append((part, new_part))
             if sp is not self.sparse:
-                sp.token_pos_t.copy_(new_sp.token_pos_t)
-                object.__setattr__(sp, "max_kv_len", new_sp.max_kv_len)
+                _refresh_sparse(sp, new_sp)
         for old, new in pairs:
             if old is None or new is None or old is new:
                 continue
@@ -138,8 +137,15 @@ class MLAPlan:
             object.__setattr__(old, "max_page_id", new.max_page_id)
         object.__setattr__(self, "max_page_id", fresh.max_page_id)
         if self.sparse is not None and fresh.sparse is not None:
-            self.sparse.token_pos_t.copy_(fresh.sparse.token_pos_t)
-            object.__setattr__(self.sparse, "max_kv_len", fresh.sparse.max_kv_len)
+            _refresh_sparse(self.sparse, fresh.sparse)
+
+
+def _refresh_sparse(old: SparsePart, new: SparsePart) -> None:
+    """``old``'s per-token DSA data replaced in place by ``new``'s (same token count)."""
+    old.token_pos_t.copy_(new.token_pos_t)
+    if old.token_last_t is not old.token_pos_t:
+        old.token_last_t.copy_(new.token_last_t)
+    object.__setattr__(old, "max_kv_len", new.max_kv_len)
 
 
 def _int32_views(
@@ -304,10 +310,14 @@ def _sparse_part(
     prefix = [batch.prefix_lens[i] for i in reqs]
     req = [k for k, n in enumerate(new) for _ in range(n)]
     pos = [p + j for p, n in zip(prefix, new, strict=True) for j in range(n)]
-    req_t, pos_t = _int32_views((req, pos), dev)
     R = indexer.compress_ratio
+    if R == 1:
+        req_t, pos_t = _int32_views((req, pos), dev)
+        last_t = pos_t
+    else:  # compressed keys: the last key each token sees, once per step
+        req_t, pos_t, last_t = _int32_views((req, pos, [(p + 1) // R - 1 for p in pos]), dev)
     keys = max(((p + n) // R for p, n in zip(prefix, new, strict=True)), default=0)
-    return SparsePart(indexer, req_t, pos_t, keys, R)
+    return SparsePart(indexer, req_t, pos_t, keys, R, last_t)
 
 
 def _dsa_routes(

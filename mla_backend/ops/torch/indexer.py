@@ -164,8 +164,7 @@ def indexer_topk(c: IndexerCall) -> torch.Tensor:
         one = _one_request(part, i)
         lg = logits(q_I[t0 : t0 + n], weights[t0 : t0 + n], index_cache, layout, one,
                     (P + n) // R, ratio=R)  # fmt: skip
-        last = (sparse.token_pos_t[t0 : t0 + n].long() + 1) // R - 1  # the last key each sees
-        topk_positions(lg, last, topk, res[t0 : t0 + n])
+        topk_positions(lg, sparse.token_last_t[t0 : t0 + n], topk, res[t0 : t0 + n])
     return res
 
 

@@ -228,14 +228,11 @@ def _indexer_args(call: IndexerCall, fp8_mode: str | None) -> tuple:
     )
     qb = call.layout.quant_block_size if call.layout.kind == "fp8" else 0
     w = call.weights if call.weights.stride(-1) == 1 else call.weights.contiguous()
+    # the kernels see keys 0 .. token_pos[t]: the token's last visible key (its position, or with
+    # V4's compressed keys (p + 1) // m - 1)
     sp = call.sparse
-    # the kernels see keys 0 .. token_pos[t]: with compressed keys (V4's CSA indexer, ratio m)
-    # that is the token's last visible key, (p + 1) // m - 1 (-1: none yet)
-    last = sp.token_pos_t
-    if sp.ratio > 1:
-        last = (last + 1).div(sp.ratio, rounding_mode="floor") - 1
-    return (q_I, w, call.index_cache, call.part.block_table, sp.token_req_t,
-            last.to(sp.token_pos_t.dtype), qb), bits  # fmt: skip
+    return (q_I, w, call.index_cache, call.part.block_table, sp.token_req_t, sp.token_last_t,
+            qb), bits  # fmt: skip
 
 
 def indexer_logits(call: IndexerCall, *, fp8_mode: str | None = None) -> torch.Tensor:
