@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_backend_integrations._testing.cpu_imitation import CAPS
-from mla_backend_integrations._testing.engine_server import Server, free_port
+from mla_backend_integrations._testing.engine_server import Server
 from mla_backend_integrations._testing.vllm_backends import (
     FORCE_ENV,
     FORCED_NOTE,
@@ -251,21 +251,27 @@ def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace
         why = f"not available {'on this CPU' if engine == 'vllm' else 'here'}: {why}"
         print(f"  {backend}: {why}", flush=True)
         return {"backend": backend, "points": {}, "error": why}
-    port = free_port()
     max_len = args.input_len + args.output_len + 64
-    log = tmp / f"{engine}_{backend}_{port}.log"
+    log = tmp / f"{engine}_{backend}.log"
     if engine == "vllm":
-        cmd, env = _vllm_server(backend, model, port, max(max_len, 2048))
+        env = _vllm_server(backend, model, 0, max(max_len, 2048))[1]
         ready = "/health"
+
+        def cmd(port: int) -> list[str]:
+            return _vllm_server(backend, model, port, max(max_len, 2048))[0]
     else:
         max_total = max(16384, 16 * max_len)
-        cmd, env = _sglang_server(backend, model, port, max(max_len, 2048), tmp, max_total)
+        env = _sglang_server(backend, model, 0, max(max_len, 2048), tmp, max_total)[1]
         ready = "/health_generate"
+
+        def cmd(port: int) -> list[str]:
+            return _sglang_server(backend, model, port, max(max_len, 2048), tmp, max_total)[0]
     result: dict[str, Any] = {"backend": backend, "points": {}}
     t0 = time.monotonic()
-    server = Server(cmd, env, port, log, ready)
+    server = None
     try:
-        server.wait_ready()
+        server = Server.launch(cmd, env, log, ready)
+        port = server.port
         result["startup_s"] = time.monotonic() - t0
         if engine == "vllm":
             result["config"] = _vllm_config(port)
@@ -308,7 +314,8 @@ def run_backend(engine: str, backend: str, model: Path, args: argparse.Namespace
         result["error"] = str(e)[-600:]
         print(f"  {backend} FAILED: {result['error']}", flush=True)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     return result
 
 

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from mla_backend_integrations._testing import engine_server
 
 STUBS = str(Path(__file__).resolve().parent / "stubs")
 # SGLang's CPU rotary path asserts yarn rope_scaling; mscale == mscale_all_dim keeps the rope
@@ -46,24 +42,8 @@ def make_model(path: Path, **dims: Any) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+class Server(engine_server.Server):
+    """A CPU SGLang server (``engine_server.Server``) with the requests the tests make."""
 
     def generate(self, input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         body = {
@@ -103,18 +83,6 @@ class Server:
             lps = lps[1:]
         return [float(x) for x in lps[: len(input_ids) - start]]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-
 
 def start_server(
     model: Path,
@@ -128,42 +96,31 @@ def start_server(
 
     ``skip_tokenizer_init=False`` loads the model folder's tokenizer (the OpenAI endpoints
     need it; /generate with ``input_ids`` works either way)."""
-    port = free_port()
-    cmd = [
-        *(launcher or [sys.executable, "-m", "sglang.launch_server"]),
-        "--model-path", str(model),
-        "--device", "cpu",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--dtype", "float32",
-        "--max-total-tokens", "4096",
-        "--disable-cuda-graph",
-        *(["--skip-tokenizer-init"] if skip_tokenizer_init else []),
-        *extra_args,
-    ]  # fmt: skip
     full_env = dict(os.environ)
     full_env["SGLANG_USE_CPU_ENGINE"] = "1"
     pp = full_env.get("PYTHONPATH", "")
     full_env["PYTHONPATH"] = STUBS + (os.pathsep + pp if pp else "")
     full_env.update(env or {})
-    log = open(log_path, "wb")  # noqa: SIM115 (closed by the child's exit)
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-    )
-    server = Server(proc, port, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            with urllib.request.urlopen(server.url + "/model_info", timeout=5) as r:
-                if r.status == 200 and "The server is fired up" in server.log():
-                    return server
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(2)
-    server.stop()
-    raise RuntimeError(f"server did not start in {STARTUP_TIMEOUT_S}s:\n{server.log()[-4000:]}")
+
+    def cmd(port: int) -> list[str]:
+        return [
+            *(launcher or [sys.executable, "-m", "sglang.launch_server"]),
+            "--model-path", str(model),
+            "--device", "cpu",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--dtype", "float32",
+            "--max-total-tokens", "4096",
+            "--disable-cuda-graph",
+            *(["--skip-tokenizer-init"] if skip_tokenizer_init else []),
+            *extra_args,
+        ]  # fmt: skip
+
+    # DP attention binds the ports from port + 233 on (SGLang's ZMQ_TCP_PORT_DELTA)
+    return Server.launch(
+        cmd, full_env, log_path, "/model_info", startup_timeout=STARTUP_TIMEOUT_S,
+        ready_text="The server is fired up", port_offsets=(0, *range(233, 233 + 8)),
+    )  # fmt: skip
 
 
 class Oracle:

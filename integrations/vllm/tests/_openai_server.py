@@ -11,24 +11,17 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mla_backend_integrations._testing import engine_server
+
 STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 240
 SERVED_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -37,17 +30,8 @@ class Reply:
     body: Any  # parsed JSON (or the raw text when it is not JSON)
 
 
-@dataclass
-class OpenAIServer:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+class OpenAIServer(engine_server.Server):
+    """vLLM's OpenAI server (``engine_server.Server``) with the requests the tests make."""
 
     def _conn(self, timeout: float = REQUEST_TIMEOUT_S) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -130,18 +114,6 @@ class OpenAIServer:
                 pass
         return out
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-
 
 def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
@@ -159,34 +131,22 @@ def start_server(
     model: Path, log_path: Path, extra_args: list[str], env: dict[str, str] | None = None
 ) -> OpenAIServer:
     """``python -m mla_backend_integrations.vllm.cli serve MODEL`` on 127.0.0.1, fp32."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "mla_backend_integrations.vllm.cli", "serve", str(model),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--served-model-name", SERVED_NAME,
-        "--seed", "0",
-        *extra_args,
-    ]  # fmt: skip
     full_env = dict(os.environ)
     full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     full_env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     full_env.update(env or {})
-    log = open(log_path, "wb")  # noqa: SIM115 (closed by the child's exit)
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+
+    def cmd(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "mla_backend_integrations.vllm.cli", "serve", str(model),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--served-model-name", SERVED_NAME,
+            "--seed", "0",
+            *extra_args,
+        ]  # fmt: skip
+
+    return OpenAIServer.launch(
+        cmd, full_env, log_path, "/health", startup_timeout=STARTUP_TIMEOUT_S
     )
-    server = OpenAIServer(proc, port, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            if server.get("/health", timeout=5).status == 200:
-                return server
-        except OSError:
-            pass
-        time.sleep(2)
-    server.stop()
-    raise RuntimeError(f"server did not start in {STARTUP_TIMEOUT_S}s:\n{server.log()[-4000:]}")
