@@ -39,7 +39,7 @@ One server at a time, on 127.0.0.1 only, in its own process group, always stoppe
 (try/finally: SIGTERM, then SIGKILL to the group). Rounds are interleaved (round r runs the
 backends in rotated order); the table shows the median over rounds.
 
-    python -m benchmarks serve --engine vllm [--quick] [--rounds N]
+    python -m benchmarks serve [--engine vllm] [--quick] [--rounds N]   # engine: the importable
     python -m benchmarks serve --engine sglang [--quick] [--isa avx512] [--imitate-avx2]
 
 A backend that cannot run on this CPU (AMX_MLA without AVX-512 / AVX512-BF16; intel_amx without
@@ -423,10 +423,20 @@ def _setting_notes(args: argparse.Namespace, level: str, load0: float) -> list[s
     ]
 
 
+def _importable_engine(ap: argparse.ArgumentParser) -> str:
+    for engine in ("vllm", "sglang"):
+        if importlib.util.find_spec(engine) is not None:
+            return engine
+    ap.error("--engine: neither vllm nor sglang is importable by this python "
+             f"({sys.executable}); run it with an engine's environment (README)")  # fmt: skip
+    raise AssertionError  # ap.error exits
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks serve",
                                  description=__doc__.splitlines()[0])  # fmt: skip
-    ap.add_argument("--engine", choices=sorted(BACKENDS), required=True)
+    ap.add_argument("--engine", choices=sorted(BACKENDS), default=None,
+                    help="default: the engine this python imports (vllm first)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="short prompts, few requests")
     ap.add_argument("--backends", nargs="+", default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -447,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                          "server, our kernels at avx2)")  # fmt: skip
     raw = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(raw)
+    args.engine = args.engine or _importable_engine(ap)
     level = _apply_setting(ap, args, raw)
     # SIGTERM unwinds like an error, so the running server's try/finally stops its group
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
