@@ -12,6 +12,8 @@ first) is restarted on another (``Server.launch``).
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import random
 import signal
@@ -21,12 +23,17 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 PORT_LOW, PORT_HIGH = 12000, 21999  # below SGLang's nccl picks (22000-29999)
 BIND_FAILED = "address already in use"
 
 S = TypeVar("S", bound="Server")
+
+
+class Reply(NamedTuple):
+    status: int
+    body: Any  # parsed JSON (or the raw text when it is not JSON)
 
 
 class PortTaken(RuntimeError):
@@ -130,6 +137,65 @@ class Server:
                 pass
             time.sleep(2)
         raise RuntimeError(f"server not ready in {self.startup_timeout:.0f}s: {self.tail()}")
+
+    # ------------------------------------------------------------------------------------
+    # a small stdlib client: GET, POST, streaming POST (every request bounded by ``timeout``)
+    # ------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, data: bytes | None, timeout: float) -> Reply:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, data, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            raw = r.read().decode(errors="replace")
+            try:
+                return Reply(r.status, json.loads(raw))
+            except json.JSONDecodeError:
+                return Reply(r.status, raw)
+        finally:
+            conn.close()
+
+    def get(self, path: str, timeout: float = 30) -> Reply:
+        return self._request("GET", path, None, timeout)
+
+    def post(self, path: str, body: Any, timeout: float = 240) -> Reply:
+        """POST JSON (``body`` may also be raw bytes) and return the parsed reply."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self._request("POST", path, data, timeout)
+
+    def stream(self, path: str, body: dict[str, Any], drop_after: int | None = None,
+               timeout: float = 240,
+               on_chunk: Callable[[int], None] | None = None) -> tuple[int, list[Any]]:  # fmt: skip
+        """POST with ``stream: true``; returns (status, the parsed ``data:`` chunks).
+
+        ``drop_after=k``: close the connection after k chunks (a client that goes away);
+        ``on_chunk(n)`` is called after the n-th chunk."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        chunks: list[Any] = []
+        try:
+            data = json.dumps({**body, "stream": True}).encode()
+            conn.request("POST", path, data, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            if r.status != 200:
+                return r.status, [{"error": r.read().decode(errors="replace")}]
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                line = r.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunks.append(json.loads(payload))
+                if on_chunk is not None:
+                    on_chunk(len(chunks))
+                if drop_after is not None and len(chunks) >= drop_after:
+                    break
+            return r.status, chunks
+        finally:
+            conn.close()  # for a dropped stream: the server sees the client go away
 
     def tail(self, n: int = 4000) -> str:
         return self.log()[-n:]

@@ -123,58 +123,14 @@ def oracle(model) -> _server.Oracle:
 # a small stdlib client: plain and streaming POSTs, streams dropped by the client
 # --------------------------------------------------------------------------------------
 def _post(server: _server.Server, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    import http.client
-    import json
-
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
-    try:
-        conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        raw = r.read().decode(errors="replace")
-        try:
-            return r.status, json.loads(raw)
-        except json.JSONDecodeError:
-            return r.status, raw
-    finally:
-        conn.close()
+    return tuple(server.post(path, body, timeout=TIMEOUT_S))
 
 
 def _stream(
     server: _server.Server, path: str, body: dict[str, Any], on_chunk=None,
     drop_after: int | None = None,
 ) -> tuple[int, list[dict[str, Any]]]:  # fmt: skip
-    import http.client
-    import json
-
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
-    chunks: list[dict[str, Any]] = []
-    try:
-        conn.request(
-            "POST", path, json.dumps({**body, "stream": True}).encode(),
-            {"Content-Type": "application/json"},
-        )  # fmt: skip
-        r = conn.getresponse()
-        if r.status != 200:
-            return r.status, [{"error": r.read().decode(errors="replace")}]
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = r.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            chunks.append(json.loads(payload))
-            if on_chunk is not None:
-                on_chunk(len(chunks))
-            if drop_after is not None and len(chunks) >= drop_after:
-                break
-        return r.status, chunks
-    finally:
-        conn.close()  # for a dropped stream: the server sees the client go away
+    return server.stream(path, body, drop_after, timeout=TIMEOUT_S, on_chunk=on_chunk)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
