@@ -19,7 +19,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
 4. selection (registers the implementations with lazy loaders, resolves what runs) and plan;
 5. entry points: checks, normal, attention, sparse, sparse_normal (DSA's sparse MHA path),
    sparse_layer (a DSA layer's routed call, over sparse and sparse_normal), keyset,
-   compressor (DeepSeek-V4's KV compressor), v4_layer (V4's attention layer, over keyset);
+   compressor (DeepSeek-V4's KV compressor), v4_layer (V4's attention layer, over keyset),
+   context_parallel (decode context parallel: shard layout, planner, per-layer attention);
 6. the package itself, ``__main__`` and ``testing/``.
 """
 
@@ -38,7 +39,7 @@ CORE = (
 )
 SELECTION = ("selection", "plan")
 ENTRY = ("checks", "normal", "attention", "sparse", "sparse_normal", "sparse_layer", "keyset",
-         "compressor", "v4_layer")  # fmt: skip
+         "compressor", "v4_layer", "context_parallel")  # fmt: skip
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: the implementation every other one may delegate seam methods to (``torch_default``)

@@ -10,8 +10,9 @@ makes one :class:`mla_backend.MLAPlan` per step (``mb.plan``: the policy's decis
 request, the kernels' index tensors), every layer reads it. Decode and short extends run the
 absorbed path, long prefills the normal path. No query-length threshold and no batch
 reordering by vLLM is involved. Under decode context parallel the builder makes the step's
-DCP parts instead of one plan and ``forward_mha`` runs them (:mod:`.dcp`: queries over this
-rank's shard of the cache merged across the group through the LSE, or latent rows gathered).
+DCP parts instead of one plan and ``forward_mha`` runs them (the core's
+:mod:`mla_backend.context_parallel`, wired by :mod:`.dcp`: queries over this rank's shard of the
+cache merged across the group through the LSE, or latent rows gathered).
 
 Own metadata class (vLLM's ``MLACommonMetadata`` only accepts latent widths 320/512/576):
 any dims the core accepts work. Any block size, chunked prefill and prefix caching, fp8
@@ -51,6 +52,7 @@ from vllm.v1.attention.backend import (
 
 import mla_backend as mb
 from mla_backend.cache_layout import ENGINE_NAMES, CacheLayout
+from mla_backend.context_parallel import DCPStep, dcp_attention
 from mla_backend.index_cache import IndexerDims
 from mla_backend.selection import log_once, resolve
 
@@ -147,7 +149,7 @@ class MLAAbsorbMetadata(AttentionMetadata):
     causal: bool = True
     prefill: Any = None
     decode: Any = None
-    dcp_step: dcp.DCPStep | None = None  # decode context parallel: the step (plan is None)
+    dcp_step: DCPStep | None = None  # decode context parallel: the step (plan is None)
 
 
 def batch_phase(new_lens: list[int], num_spec_tokens: int) -> mb.Phase:
@@ -242,7 +244,7 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
 
     @staticmethod
     def _metadata(
-        m: CommonAttentionMetadata, plan: mb.MLAPlan | None, dcp_step: dcp.DCPStep | None = None
+        m: CommonAttentionMetadata, plan: mb.MLAPlan | None, dcp_step: DCPStep | None = None
     ) -> MLAAbsorbMetadata:
         """The step's metadata: its plan (or DCP parts) and vLLM's counters."""
         return MLAAbsorbMetadata(
@@ -261,7 +263,7 @@ class MLAAbsorbMetadataBuilder(AttentionMetadataBuilder[MLAAbsorbMetadata]):
         self, m: CommonAttentionMetadata, prefix_lens: list[int], new_lens: list[int]
     ) -> MLAAbsorbMetadata:
         """Under decode context parallel: the step's sharded and gathered parts
-        (:class:`mla_backend_integrations.vllm.dcp.DCPPlanner`) instead of one plan."""
+        (:class:`mla_backend.context_parallel.DCPPlanner`) instead of one plan."""
         assert self.dcp_planner is not None
         step = self.dcp_planner.build(
             prefix_lens, new_lens, m.block_table_tensor[: m.num_reqs],
@@ -469,7 +471,7 @@ class MLAAbsorbImpl(MLAAttentionImpl[MLAAbsorbMetadata]):
             o = into(T)
             if o is None:
                 o = q.new_empty(T, self.num_heads, self.dims.v_head_dim)
-            dcp.dcp_attention(
+            dcp_attention(
                 self.attn, attn_metadata.dcp_step, q[:T, :, :nope], q[:T, :, nope:],
                 self._cache_view(kv_c_and_k_pe_cache), self._kv_scale(k_scale),
                 self._dcp_group, o,

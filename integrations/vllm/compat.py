@@ -263,7 +263,7 @@ def patch_cpu_platform(
 def patch_cpu_dcp_slot_mapping() -> None:
     """Make vLLM CPU's slot-mapping function serve DCP ranks (idempotent), see
     :data:`CPU_DCP_SLOT_MAPPING`: with one context-parallel rank it is vLLM's own; with more,
-    :meth:`ShardLayout.slot_mapping <mla_backend_integrations.vllm.dcp.ShardLayout.slot_mapping>`
+    :meth:`ShardLayout.slot_mapping <mla_backend.context_parallel.ShardLayout.slot_mapping>`
     (vLLM's rule: each rank writes the tokens it holds, -1 elsewhere). Must run before the
     CPU platform registers its kernel overrides (plugins load first in every worker)."""
     from vllm.utils import cpu_triton_utils
@@ -295,7 +295,8 @@ def patch_cpu_dcp_slot_mapping() -> None:
                 TOTAL_CP_RANK, CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID, BLOCK_SIZE,
             )  # fmt: skip
         import torch
-        from mla_backend_integrations.vllm.dcp import ShardLayout
+
+        from mla_backend.context_parallel import ShardLayout
 
         layout = ShardLayout(
             TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK, CP_KV_CACHE_INTERLEAVE_SIZE, KV_CACHE_BLOCK_SIZE

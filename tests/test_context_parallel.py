@@ -1,4 +1,4 @@
-"""Decode context parallel (``integrations/vllm/dcp.py``) without an engine: W ranks in one
+"""Decode context parallel (:mod:`mla_backend.context_parallel`) without an engine: W ranks in one
 process (one thread each, a barrier-based stand-in for the DCP group's all-gather), each
 holding its shard of the latent cache, laid out by vLLM's slot-mapping rule as written plainly
 here (the Triton kernel ``ComputeSlotMappingKernel`` of vLLM 0.32: virtual blocks of
@@ -19,10 +19,10 @@ import threading
 
 import pytest
 import torch
-from mla_backend_integrations.vllm.dcp import DCPPlanner, ShardLayout, dcp_attention
 
 import mla_backend as mb
 from mla_backend.cache_layout import CacheLayout
+from mla_backend.context_parallel import DCPPlanner, ShardLayout, dcp_attention
 from mla_backend.testing.reference import reference_mla_attention
 
 NAN = float("nan")
