@@ -31,13 +31,20 @@ def test_written_under_original_names_and_loaded_whole(tmp_path: Path) -> None:
     assert cfg["compress_ratios"] == [V4_KINDS[k][1] for k in kinds] == [128, 4, 0]
     assert cfg["layer_types"] == [V4_KINDS[k][0] for k in kinds]
     assert cfg["qk_rope_head_dim"] == 64 and cfg["head_dim"] == 512 and cfg["index_head_dim"] == 128
+    # released-config router fields vLLM reads; transformers' mlp_layer_types (which vLLM 0.32's
+    # config class rejects) left out, rebuilt by transformers from num_hash_layers
+    assert cfg["topk_method"] == "noaux_tc" and "mlp_layer_types" not in cfg
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(out), dtype=torch.float32, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
+    assert model.config.mlp_layer_types == ["hash_moe", "moe", "moe"]
     sd = model.state_dict()
     for i in range(len(kinds)):  # drawn values arrive (not re-initialized)
+        # the attention's KV RMSNorm under the released name vLLM's loader reads
+        torch.testing.assert_close(sd[f"model.layers.{i}.self_attn.kv_norm.weight"],
+                                   stored[f"layers.{i}.attn.kv_norm.weight"])  # fmt: skip
         torch.testing.assert_close(sd[f"model.layers.{i}.self_attn.sinks"],
                                    stored[f"layers.{i}.attn.attn_sink"])  # fmt: skip
         assert stored[f"layers.{i}.attn.attn_sink"].abs().sum() > 0

@@ -9,8 +9,10 @@ written under DeepSeek's original names (``layers.{i}.attn.wq_a.weight``, ``embe
 ``head.weight``, ``hc_head_fn``, ...), the names the released checkpoints use and both
 transformers (through its conversion mapping) and vLLM's V4 loader read. ``config.json`` holds
 transformers' fields and the legacy ones vLLM reads (``compress_ratios``, ``num_hash_layers``,
-``qk_rope_head_dim``). The tokenizer and generation config are :mod:`.tiny_model`'s. Imports
-transformers (the generator needs its module shapes); no engine.
+``qk_rope_head_dim``, ``topk_method``), without transformers' ``mlp_layer_types`` (vLLM 0.32's
+config class rejects it; transformers rebuilds it from ``num_hash_layers``). The tokenizer and
+generation config are :mod:`.tiny_model`'s. Imports transformers (the generator needs its module
+shapes); no engine.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ V4_KINDS: dict[str, tuple[str, int]] = {
     "hca": ("heavily_compressed_attention", 128),
 }
 
-# transformers' save names that differ from DeepSeek's original ones
+# transformers' save names that differ from DeepSeek's original ones (its reverse conversion
+# turns ``self_attn.kv_norm`` into ``attn.norm``; the released name, the one vLLM loads, is
+# ``attn.kv_norm``, which transformers reads as well)
 _ORIGINAL = (
+    (re.compile(r"^model\.layers\.(\d+)\.attn\.norm\.weight$"), r"layers.\1.attn.kv_norm.weight"),
     (re.compile(r"^model\.embed_tokens\.weight$"), "embed.weight"),
     (re.compile(r"^model\.hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
     (re.compile(r"^model\."), ""),
@@ -120,7 +125,13 @@ def make_tiny_v4(
     config.update(
         compress_ratios=ratios, num_hash_layers=num_hash_layers, qk_rope_head_dim=rope_dim,
         max_position_embeddings=max_position_embeddings,
+        # the released configs' router field: vLLM creates the routed layers' score-correction
+        # bias (``ffn.gate.bias``) only under it; transformers always has the bias
+        topk_method="noaux_tc",
     )  # fmt: skip
+    # released configs carry num_hash_layers, not transformers' mlp_layer_types (rebuilt from
+    # it), whose "hash_moe" / "moe" vLLM 0.32's own config class rejects
+    config.pop("mlp_layer_types", None)
     config.pop("dtype", None)
     config["torch_dtype"] = dtype
     out = Path(path)
