@@ -38,7 +38,14 @@ import torch
 from .batch import MLABatch
 from .rope import rope_interleaved
 
-__all__ = ["CompressSchedule", "CompressorSpec", "compress", "save_states", "schedule"]
+__all__ = [
+    "CompressSchedule",
+    "CompressorSpec",
+    "compress",
+    "compress_slots",
+    "save_states",
+    "schedule",
+]
 
 #: rows gathered per chunk of entries in :func:`compress` (bounds its scratch memory)
 _GATHER_ROWS = 1 << 16
@@ -235,13 +242,7 @@ def compress(
     d, m, win = spec.head_dim, spec.ratio, spec.window
     if sched.ratio != m:
         raise ValueError(f"schedule of ratio {sched.ratio} for a compressor of ratio {m}")
-    if tuple(norm_weight.shape) != (d,):
-        raise ValueError(f"compressor norm_weight {tuple(norm_weight.shape)}: expected [{d}]")
-    if cos_sin.dim() != 2 or cos_sin.shape[1] != spec.rope_dim:
-        raise ValueError(
-            f"compressor cos_sin {tuple(cos_sin.shape)} is not supported: [positions, "
-            f"rope_dim={spec.rope_dim}]"
-        )
+    _check_pool_args(spec, norm_weight, cos_sin)
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"compressor block_table {block_table.dtype} {tuple(block_table.shape)} is not "
@@ -256,24 +257,103 @@ def compress(
     if E == 0:
         return out
     ps = state_cache.shape[1]
-    rows = state_cache.view(-1, spec.state_width)
     bt = block_table.long()
     torch._assert_async(
         (sched.entries.max() * m + m <= bt.shape[1] * ps),
         "compressor: an entry's window lies past the block table's pages",
     )
     offs = torch.arange(win, device=dev) - (spec.coff - 1) * m  # window offsets from w * m
+    pos = sched.entries.unsqueeze(1) * m + offs  # [E, win]
+    p = pos.clamp(min=0)
+    slots = bt[sched.reqs.unsqueeze(1), p // ps] * ps + p % ps
+    torch._assert_async(
+        ((slots >= 0) | (pos < 0)).all(), "compressor: a negative page in the block table"
+    )
+    slots = torch.where(pos >= 0, slots, -1)
+    return _pool(state_cache, slots, sched.entries * m, spec, norm_weight, cos_sin, out)
+
+
+def compress_slots(
+    state_cache: torch.Tensor,
+    window_slots: torch.Tensor,
+    entry_pos: torch.Tensor,
+    spec: CompressorSpec,
+    norm_weight: torch.Tensor,
+    cos_sin: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Entries from their windows' state rows named by flat slots (an engine that resolves the
+    slots itself, e.g. vLLM's ``gather_slots``; :func:`compress` resolves them from a block
+    table).
+
+    Args:
+        state_cache: [pages, page_size, 2 * coff * d] float32.
+        window_slots: [E, coff * m] int32 / int64 flat state slots of each entry's window in
+            position order (``w*m - (coff-1)*m .. w*m + m - 1``), -1 where the position is
+            before the sequence (weight 0).
+        entry_pos: [E] int32 / int64 the entries' positions ``w * m`` (where RoPE rotates them).
+        norm_weight / cos_sin / out: as :func:`compress`.
+    Returns:
+        [E, d] float32.
+    """
+    _check_state_cache(state_cache, spec)
+    E, win = window_slots.shape[0], spec.window
+    if (
+        window_slots.dim() != 2
+        or window_slots.shape[1] != win
+        or window_slots.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"compressor window_slots {window_slots.dtype} {tuple(window_slots.shape)} is not "
+            f"supported: [E, coff x ratio = {win}] int32 / int64"
+        )
+    if entry_pos.dim() != 1 or entry_pos.shape[0] != E:
+        raise ValueError(f"compressor entry_pos {tuple(entry_pos.shape)}: expected [{E}]")
+    _check_pool_args(spec, norm_weight, cos_sin)
+    d = spec.head_dim
+    if out is None:
+        out = torch.empty((E, d), dtype=torch.float32, device=state_cache.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (E, d):
+        raise ValueError(f"out {out.dtype} {tuple(out.shape)}: expected [{E}, {d}] float32")
+    if E == 0:
+        return out
+    return _pool(state_cache, window_slots.long(), entry_pos.long(), spec, norm_weight, cos_sin,
+                 out)  # fmt: skip
+
+
+def _check_pool_args(
+    spec: CompressorSpec, norm_weight: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
+    d = spec.head_dim
+    if tuple(norm_weight.shape) != (d,):
+        raise ValueError(f"compressor norm_weight {tuple(norm_weight.shape)}: expected [{d}]")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != spec.rope_dim:
+        raise ValueError(
+            f"compressor cos_sin {tuple(cos_sin.shape)} is not supported: [positions, "
+            f"rope_dim={spec.rope_dim}]"
+        )
+
+
+def _pool(
+    state_cache: torch.Tensor,
+    slots: torch.Tensor,
+    entry_pos: torch.Tensor,
+    spec: CompressorSpec,
+    norm_weight: torch.Tensor,
+    cos_sin: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Pool, normalize and rotate E entries whose windows' rows sit at ``slots`` [E, win]
+    (int64, -1: none) into ``out`` [E, d]."""
+    d, m, win = spec.head_dim, spec.ratio, spec.window
+    rows = state_cache.view(-1, spec.state_width)
+    E = slots.shape[0]
     step = max(1, _GATHER_ROWS // win)
     for e0 in range(0, E, step):
-        w = sched.entries[e0 : e0 + step]
-        req = sched.reqs[e0 : e0 + step]
-        pos = w.unsqueeze(1) * m + offs  # [e, win]
-        valid = pos >= 0
-        p = pos.clamp(min=0)
-        slot = bt[req.unsqueeze(1), p // ps] * ps + p % ps
+        slot = slots[e0 : e0 + step]
+        valid = slot >= 0
         torch._assert_async(
-            ((slot >= 0) & (slot < rows.shape[0])).all(),
-            "compressor: a block table page past the state cache",
+            (slot < rows.shape[0]).all(), "compressor: a window slot past the state cache"
         )
         g = rows[slot.clamp(0, rows.shape[0] - 1)]  # [e, win, 2 * coff * d]
         cw = spec.coff * d
@@ -283,8 +363,9 @@ def compress(
         else:
             c, z = g[:, :, :d], g[:, :, cw:]
         z = z.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        c = c.masked_fill(~valid.unsqueeze(-1), 0.0)  # a row never written may hold NaN
         pooled = (c * torch.softmax(z, dim=1)).sum(1)  # [e, d]
         normed = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + spec.eps)
         normed = normed * norm_weight.float()
-        out[e0 : e0 + step] = rope_interleaved(normed, cos_sin, w * m)
+        out[e0 : e0 + step] = rope_interleaved(normed, cos_sin, entry_pos[e0 : e0 + step])
     return out

@@ -1,7 +1,9 @@
 """DeepSeek-V4's KV compressor (mla_backend.compressor) against transformers' own
 ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor`` (fp32, eager, with their cache):
 ragged batches of requests fed in chunks (prefill, chunked-prefill continuations, decode tokens),
-state rows in shuffled pages of several sizes, every entry equal to the one transformers emits."""
+state rows in shuffled pages of several sizes, every entry equal to the one transformers emits
+(through ``compress``, and through ``compress_slots`` given each window's flat slots the way
+vLLM's CPU compressor computes them)."""
 
 from __future__ import annotations
 
@@ -80,6 +82,16 @@ def test_entries_equal_transformers(kind: str, ratio: int, page_size: int, seed:
         batch = mb.MLABatch.build(done, new, bt, page_size)
         h = torch.cat([xs[i][done[i] : done[i] + new[i]] for i in range(B)])
         sched, entries = vo.compress_step(comp, spec, h, batch, state, bt, cos_sin)
+        # the windows as flat slots the way vLLM's CPU compressor resolves them (positions
+        # p - window + 1 .. p of each completing token p, -1 before the sequence), pooled by
+        # compress_slots: the same entries
+        p = sched.entries * ratio + ratio - 1
+        local = p.unsqueeze(1) - spec.window + 1 + torch.arange(spec.window)
+        page = bt.long()[sched.reqs.unsqueeze(1), local.clamp(min=0) // page_size]
+        win_slots = torch.where(local >= 0, page * page_size + local % page_size, -1)
+        by_slots = cz.compress_slots(state, win_slots, sched.entries * ratio, spec,
+                                     comp.kv_norm.weight.detach(), cos_sin)  # fmt: skip
+        torch.testing.assert_close(by_slots, entries, rtol=0, atol=0)
         for e in range(sched.num_emitted):
             r, w = int(sched.reqs[e]), int(sched.entries[e])
             assert w == len(got[r])  # entries come in order, each once
@@ -145,6 +157,12 @@ def test_bad_state_and_inputs_named() -> None:
                     torch.zeros(16, 8))  # fmt: skip
     with pytest.raises(ValueError, match="ratio=0"):
         cz.schedule(batch, 0)
+    with pytest.raises(ValueError, match=r"window_slots torch.int64 \(2, 4\)"):
+        cz.compress_slots(state, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2), spec,
+                          torch.ones(64), torch.zeros(16, 16))  # fmt: skip
+    with pytest.raises(ValueError, match=r"entry_pos \(3,\)"):
+        cz.compress_slots(state, torch.zeros(2, 8, dtype=torch.long), torch.zeros(3), spec,
+                          torch.ones(64), torch.zeros(16, 16))  # fmt: skip
 
 
 def test_skipped_slots_are_not_written() -> None:
