@@ -10,7 +10,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
 
 0. core types: dims, batch, fp8, merge, cache_layout, index_cache, weights, parts (the seam's
    input types), cost (the roofline and its profiles), config (the environment variables),
-   decision (a choice and its reason), rope (the interleaved rotation the core applies);
+   decision (a choice and its reason), rope (the interleaved rotation the core applies),
+   v4_cache (DeepSeek-V4's fp8 KV-cache page layout, its writer and reader);
 1. policy (asks the implementation for its cost profile, imports none);
 2. the device seam (``ops/__init__``, ``ops/base``: the base class and the seam's records;
    ``ops/registry``): no torch code of the ops;
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mla_backend"
 
 CORE = (
     "dims", "batch", "fp8", "merge", "cache_layout", "index_cache", "weights", "parts", "cost",
-    "config", "decision", "rope",
+    "config", "decision", "rope", "v4_cache",
 )
 SELECTION = ("selection", "plan")
 ENTRY = ("checks", "normal", "attention", "sparse", "sparse_normal", "sparse_layer", "keyset",
