@@ -31,7 +31,6 @@ writer for the indexer's 128-wide compressor).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -158,30 +157,14 @@ def _check_state_cache(state_cache: torch.Tensor, spec: CompressorSpec) -> None:
         or state_cache.shape[2] != spec.state_width
         or state_cache.stride(2) != 1
         or state_cache.stride(1) != spec.state_width
-        or state_cache.stride(0) % spec.state_width
         or state_cache.stride(0) < state_cache.shape[1] * spec.state_width
     ):
         raise ValueError(
             f"compressor state cache {state_cache.dtype} {tuple(state_cache.shape)} strides "
             f"{state_cache.stride()} is not supported: [pages, page_size, {spec.state_width}] "
-            "float32 with contiguous rows of a page (2 x coff x head_dim: [C ; Z + B]) and a "
-            "page stride of whole rows"
+            "float32 with contiguous rows of a page (2 x coff x head_dim: [C ; Z + B]), pages "
+            "apart by at least their rows"
         )
-
-
-def _state_rows(
-    state_cache: torch.Tensor,
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """The cache's rows as one [R, width] view and the map from a flat slot (``page *
-    page_size + offset``) to its row: pages may be padded (an engine that unifies page sizes
-    gives a page stride larger than ``page_size`` rows, a multiple of the row)."""
-    pages, ps, width = state_cache.shape
-    if state_cache.stride(0) == ps * width:
-        return state_cache.view(-1, width), lambda slots: slots
-    per_page = state_cache.stride(0) // width
-    n = (pages - 1) * per_page + ps if pages else 0
-    rows = state_cache.as_strided((n, width), (width, 1))
-    return rows, lambda slots: (slots // ps) * per_page + slots % ps
 
 
 def save_states(
@@ -222,15 +205,16 @@ def save_states(
                 f"compressor {name} {x.dtype} {tuple(x.shape)} is not supported: [T={T}] "
                 "int32 / int64"
             )
-    rows, row_of = _state_rows(state_cache)
-    n_slots = state_cache.shape[0] * state_cache.shape[1]
+    ps = state_cache.shape[1]
+    n_slots = state_cache.shape[0] * ps
     slots = slot_mapping.long()
     keep = slots >= 0
     torch._assert_async(
         (slots < n_slots).all(), "compressor slot_mapping: a slot past the state cache's rows"
     )
     new = torch.cat([kv.float(), score.float() + ape.float()[positions.long() % spec.ratio]], 1)
-    rows.index_copy_(0, row_of(slots.clamp(0, max(n_slots - 1, 0))[keep]), new[keep])
+    at = slots.clamp(0, max(n_slots - 1, 0))[keep]  # (page, offset) pairs: any page stride
+    state_cache.index_put_((at // ps, at % ps), new[keep])
 
 
 def compress(
@@ -365,8 +349,8 @@ def _pool(
     """Pool, normalize and rotate E entries whose windows' rows sit at ``slots`` [E, win]
     (int64, -1: none) into ``out`` [E, d]."""
     d, m, win = spec.head_dim, spec.ratio, spec.window
-    rows, row_of = _state_rows(state_cache)
-    n_slots = state_cache.shape[0] * state_cache.shape[1]
+    ps = state_cache.shape[1]
+    n_slots = state_cache.shape[0] * ps
     E = slots.shape[0]
     step = max(1, _GATHER_ROWS // win)
     for e0 in range(0, E, step):
@@ -375,7 +359,8 @@ def _pool(
         torch._assert_async(
             (slot < n_slots).all(), "compressor: a window slot past the state cache"
         )
-        g = rows[row_of(slot.clamp(0, n_slots - 1))]  # [e, win, 2 * coff * d]
+        at = slot.clamp(0, n_slots - 1)
+        g = state_cache[at // ps, at % ps]  # [e, win, 2 * coff * d]; any page stride
         cw = spec.coff * d
         if spec.overlap:  # first m slots: the first series (Ca); last m: the second (Cb)
             c = torch.cat([g[:, :m, :d], g[:, m:, d:cw]], 1)

@@ -73,10 +73,11 @@ def test_entries_equal_transformers(kind: str, ratio: int, page_size: int, seed:
     pages_per_req = -(-max(lens) // page_size)
     perm = torch.randperm(B * pages_per_req + 2)
     bt = perm[: B * pages_per_req].view(B, pages_per_req).int()
-    # seed 1: pages padded past page_size rows (an engine's unified page stride)
-    pad = seed
-    state = torch.full((B * pages_per_req + 2, page_size + pad, spec.state_width), float("nan"))
-    state = state[:, :page_size]
+    # seed 1: pages padded past page_size rows by a part of a row (vLLM's unified page stride)
+    width, pad = spec.state_width, 37 * seed
+    n_pages = B * pages_per_req + 2
+    state = torch.full((n_pages * (page_size * width + pad),), float("nan"))
+    state = state.as_strided((n_pages, page_size, width), (page_size * width + pad, width, 1))
     cos_sin = vo.cos_sin_table(comp.rotary_emb, "compress", max(lens) + 1)
     got: list[list[torch.Tensor]] = [[] for _ in range(B)]
     done = [0] * B
