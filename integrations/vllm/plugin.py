@@ -211,9 +211,10 @@ V4_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 
 def validate_v4_config(vllm_config: Any) -> None:
     """Start-up checks of DeepSeek-V4 (vLLM's model-driven V4 path with the core's kernels
-    underneath, :mod:`.v4_ops`): V4's attention dims (head_dim 512, RoPE 64), its fp8 cache,
-    one rank (tensor / context parallel untested), and a ``max_model_len`` whose compressed
-    contexts fit ``index_topk`` (the long-context indexer ops are not served yet);
+    underneath, :mod:`.v4_ops`): V4's attention dims (head_dim 512, RoPE 64), its fp8 cache
+    and fp8 index cache, one rank (tensor / context parallel untested), and a
+    ``max_model_len`` whose compressed contexts fit ``index_topk`` (the long-context indexer
+    ops are not served yet);
     ``ValueError`` names the value and what is supported."""
     hf = vllm_config.model_config.hf_text_config
     head, rope = getattr(hf, "head_dim", None), getattr(hf, "qk_rope_head_dim", None)
@@ -228,6 +229,13 @@ def validate_v4_config(vllm_config: Any) -> None:
         raise ValueError(
             f"attention backend {BACKEND_NAME}, DeepSeek-V4: kv_cache_dtype={cache_dtype!r} "
             f"is not supported; supported: {', '.join(V4_CACHE_DTYPES)} (V4's fp8 page layout)"
+        )
+    kv = getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto")
+    if kv not in SUPPORTED_INDEXER_KV_DTYPES:
+        raise ValueError(
+            f"attention backend {BACKEND_NAME}, DeepSeek-V4: indexer_kv_dtype={kv!r} is not "
+            f"supported; supported: {', '.join(SUPPORTED_INDEXER_KV_DTYPES)} (the fp8 index "
+            "cache; V4's fp4 indexer cache is not served)"
         )
     parallel = vllm_config.parallel_config
     for name in ("tensor_parallel_size", "decode_context_parallel_size"):

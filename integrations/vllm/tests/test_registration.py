@@ -203,6 +203,7 @@ V4_HF = dict(model_type="deepseek_v4", head_dim=512, qk_rope_head_dim=64, index_
         (dict(hf={**V4_HF, "qk_rope_head_dim": 32}), "qk_rope_head_dim=32"),
         (dict(hf=V4_HF, cache_dtype="bfloat16"), "kv_cache_dtype='bfloat16'"),
         (dict(hf=V4_HF, tp=2), "tensor_parallel_size=2"),
+        (dict(hf=V4_HF, indexer_kv="mxfp4"), "indexer_kv_dtype='mxfp4'"),
         (dict(hf=V4_HF, dcp=2), "decode_context_parallel_size=2"),
         (dict(hf=V4_HF, max_model_len=4096), r"max_model_len=4096 .* max_model_len <= 2048"),
     ],
