@@ -1,8 +1,9 @@
-"""Eager stand-ins for the non-attention ``torch.ops._C`` kernels of vLLM 0.32's DeepSeek-V4 CPU
-model that only vLLM's AVX512-BF16 library defines (on AVX2 CPUs they are absent and V4 does not
-load): the grouped output projection's GEMM (``convert_weight_packed`` / ``bmm_cpu``), the
-manifold-constrained hyper-connections (``hc_pre_fused_cpu`` / ``hc_post_fused_cpu`` /
-``hc_head_fused_cpu``) and the MoE routers (``biased_topk_cpu`` / ``hash_topk_cpu``).
+"""torch implementations of the non-attention ``torch.ops._C`` kernels of vLLM 0.32's DeepSeek-V4
+CPU model that only vLLM's AVX512-BF16 library defines (served where they are absent, and in
+place of vLLM's when MLA_ABSORB is selected: ``plugin.supply_v4``): the grouped output GEMM
+(``convert_weight_packed`` / ``bmm_cpu``), the manifold-constrained hyper-connections
+(``hc_pre_fused_cpu`` / ``hc_post_fused_cpu`` / ``hc_head_fused_cpu``) and the MoE routers
+(``biased_topk_cpu`` / ``hash_topk_cpu``).
 
 Each function takes the op's arguments in the schema's order (:data:`SCHEMAS`, the strings of
 vLLM's AVX512-BF16 ``_C`` library) and returns what the kernel returns, so it can be registered
