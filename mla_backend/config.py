@@ -68,6 +68,11 @@ VARIABLES: tuple[Variable, ...] = (
         "1: run on a vLLM version outside the tested range (a warning instead of an error)",
     ),
     Variable(
+        "MLA_BACKEND_V4_OPS", "0", "vllm adapter",
+        "1: serve every vLLM DeepSeek-V4 CPU op with ours (set by the adapter for the engine "
+        "processes when mla_absorb serves a V4 model; 0: only the ops vLLM's build lacks)",
+    ),
+    Variable(
         "MLA_BACKEND_SGLANG_QK", "split", "sglang adapter",
         "split: q_lat / q_pe passed separately; concat: SGLang's concatenated [q_lat ; q_pe]",
     ),
@@ -100,6 +105,7 @@ class Settings:
     native_lock_timeout: str
     native_verbose: str
     allow_untested_vllm: str
+    v4_ops: str
     sglang_qk: str
     test_isas: str
     cache: str

@@ -30,6 +30,8 @@ from mla_backend_integrations.vllm.compat import (  # noqa: F401 (re-exported)
 )
 from mla_backend_integrations.vllm.dcp import check_context_parallel
 
+from mla_backend.config import current
+
 # a child of the "vllm" logger, so vLLM's logging configuration shows our messages
 logger = logging.getLogger("vllm.mla_absorb")
 
@@ -91,7 +93,7 @@ def register() -> None:
         from mla_backend_integrations.vllm.sparse import make_indexer_op
 
         compat.register_indexer_op(make_indexer_op)
-        supply_v4(override=os.environ.get(V4_OPS_ENV) == "1")
+        supply_v4(override=current().flag("v4_ops"))
 
 
 #: set (to "1") by a process whose engine config selects MLA_ABSORB for DeepSeek-V4, inherited
