@@ -227,19 +227,6 @@ def test_collectives_per_layer_and_parts() -> None:
     assert step.gathered.rows_per_rank == 16 and step.gathered.send.numel() == 16
 
 
-def test_shard_lengths_match_vllm() -> None:
-    """:meth:`ShardLayout.local_len` against vLLM's own ``get_dcp_local_seq_lens``."""
-    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
-
-    seq = torch.arange(0, 300)
-    for world, inter in [(2, 1), (2, 16), (3, 4), (4, 2), (8, 64)]:
-        want = get_dcp_local_seq_lens(seq, world, None, inter)  # [n, world]
-        for rank in range(world):
-            lay = ShardLayout(world, rank, inter, 64)
-            got = torch.tensor([lay.local_len(int(n)) for n in seq])
-            assert torch.equal(got, want[:, rank].to(torch.long)), (world, inter, rank)
-
-
 @pytest.mark.parametrize(("world", "page", "inter"), [(2, 16, 1), (2, 16, 16), (3, 8, 2)])
 def test_slot_mapping_follows_vllm_rule(world: int, page: int, inter: int) -> None:
     """:meth:`ShardLayout.slot_mapping` (what the CPU slot-mapping workaround writes) against
