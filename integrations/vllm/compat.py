@@ -473,7 +473,7 @@ def supply_cpu_group_quant(quantize: Callable[..., tuple[Any, Any]]) -> None:
 _V4_LIBRARY: list[Any] = []  # the torch.library fragment our ops live in (kept alive)
 
 
-_V4_SERVED: dict[str, bool] = {}  # op name served by ours -> whether it replaced vLLM's kernel
+_V4_SERVED: set[str] = set()  # the ops ours serve in this process (defined, or replacing vLLM's)
 
 
 def supply_v4_cpu_ops(
@@ -494,7 +494,7 @@ def supply_v4_cpu_ops(
     lib = _V4_LIBRARY[0]
     added = []
     for name, (schema, fn) in ops.items():
-        if name in _V4_SERVED:  # ours already (defined, or replacing vLLM's)
+        if name in _V4_SERVED:
             continue
         exists = hasattr(torch.ops._C, name)
         if exists and not override:
@@ -504,7 +504,7 @@ def supply_v4_cpu_ops(
         with warnings.catch_warnings():  # torch warns when a kernel replaces another one
             warnings.simplefilter("ignore", UserWarning)
             lib.impl(name, fn, "CPU")
-        _V4_SERVED[name] = exists
+        _V4_SERVED.add(name)
         added.append(name)
     if added:
         logger.info("%s: DeepSeek-V4 CPU ops served: %s", BACKEND_NAME, ", ".join(added))
