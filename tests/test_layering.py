@@ -21,7 +21,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
 5. entry points: checks, normal, attention, sparse, sparse_normal (DSA's sparse MHA path),
    sparse_layer (a DSA layer's routed call, over sparse and sparse_normal), keyset,
    compressor (DeepSeek-V4's KV compressor), v4_layer (V4's attention layer, over keyset),
-   context_parallel (decode context parallel: shard layout, planner, per-layer attention);
+   context_parallel (decode context parallel: shard layout, planner, per-layer attention),
+   indexer_rows (the indexer over rows with their own key counts: engines' paged indexer ops);
 6. the package itself, ``__main__`` and ``testing/``.
 """
 
@@ -40,7 +41,7 @@ CORE = (
 )
 SELECTION = ("selection", "plan")
 ENTRY = ("checks", "normal", "attention", "sparse", "sparse_normal", "sparse_layer", "keyset",
-         "compressor", "v4_layer", "context_parallel")  # fmt: skip
+         "compressor", "v4_layer", "context_parallel", "indexer_rows")  # fmt: skip
 #: implementation -> the one other implementation it may compose as its fallback
 FALLBACKS = {"flashinfer": "triton"}
 #: the implementation every other one may delegate seam methods to (``torch_default``)

@@ -175,9 +175,9 @@ V4_CPU_METADATA = Workaround(
     "('function' object is not subscriptable)",
     vllm_version,
     _LOGGER,
-    "without Triton: the token-to-request map and the compressed slot mapping computed in "
-    "torch, the index-list kernels whose outputs the CPU model never reads skipped "
-    "(patch_v4_cpu_metadata)",
+    "without Triton: the token-to-request map, the compressed slot mapping and the indexer's "
+    "decode / prefill plans computed in torch, the sliding-window index lists (never read by "
+    "the CPU model) skipped (patch_v4_cpu_metadata)",
 )
 V4_TILE_SCHEDULER_KEYS = Workaround(
     "v4-cpu-tile-scheduler-keys",
@@ -550,21 +550,100 @@ def _compressed_slot_mapping(
     compressed_slot_mapping[tok] = torch.where(valid, slots, -1)
 
 
+def _prepare_uniform_decode(
+    seq_lens: Any, decode_seq_lens: Any, block_table: Any, expanded_block_table: Any,
+    decode_lens: Any, num_decode_tokens: int, max_decode_len: int,
+) -> None:  # fmt: skip
+    """vLLM's ``PrepareUniformDecodeKernel`` in torch: decode token i of request
+    ``i // max_decode_len`` sees ``max(seq_len - max_decode_len + i % max_decode_len + 1, 0)``
+    keys, gets its request's block-table row and a decode length of 1."""
+    import torch
+
+    n = num_decode_tokens
+    i = torch.arange(n, device=seq_lens.device)
+    req = i // max_decode_len
+    seen = seq_lens.long()[req] - max_decode_len + i % max_decode_len + 1
+    decode_seq_lens[:n] = seen.clamp(min=0).to(decode_seq_lens.dtype)
+    w = min(block_table.shape[1], expanded_block_table.shape[1])
+    expanded_block_table[:n, :w] = block_table[req, :w].to(expanded_block_table.dtype)
+    decode_lens[:n] = 1
+
+
+def _build_prefill_chunk_metadata(
+    query_start_loc: Any, uncompressed_seq_lens: Any, cu_compressed_seq_lens: Any,
+    row_start_cu: Any, token_to_seq: Any, cu_seq_len_ks: Any, cu_seq_len_ke: Any,
+    query_slice_start: int, query_slice_stop: int, dcp_rank: int, dcp_world: int,
+    dcp_interleave: int, *, num_reqs: int, COMPRESS_RATIO: int,
+) -> None:  # fmt: skip
+    """vLLM's ``BuildPrefillChunkMetadataKernel`` in torch: each query token of the chunk's
+    requests inside ``[query_slice_start, query_slice_stop)`` gets its request's row start in
+    ``cu_seq_len_ks`` and that plus its compressed causal length ``(ctx + 1 + j) //
+    ratio`` (under decode context parallel, this rank's share) in ``cu_seq_len_ke``; each
+    compressed key of request b maps to b in ``token_to_seq``."""
+    import torch
+
+    dev = query_start_loc.device
+    qsl = query_start_loc[: num_reqs + 1].long()
+    qlen = qsl[1:] - qsl[:-1]
+    reqs = torch.arange(num_reqs, device=dev)
+    req = torch.repeat_interleave(reqs, qlen)
+    offset = torch.arange(req.shape[0], device=dev) - (qsl[:-1] - qsl[0])[req]
+    abs_pos = qsl[req] + offset
+    start_pos = uncompressed_seq_lens[:num_reqs].long()[req] - qlen[req]
+    seen = (start_pos + 1 + offset) // COMPRESS_RATIO
+    if dcp_world > 1:  # this rank's share, vLLM's get_dcp_local_seq_lens
+        base = seen // dcp_interleave // dcp_world * dcp_interleave
+        rest = (seen - base * dcp_world - dcp_rank * dcp_interleave).clamp(0, dcp_interleave)
+        seen = base + rest
+    keep = (abs_pos >= query_slice_start) & (abs_pos < query_slice_stop)
+    out = abs_pos[keep] - query_slice_start
+    start = row_start_cu[:num_reqs].long()[req[keep]]
+    cu_seq_len_ks[out] = start.to(cu_seq_len_ks.dtype)
+    cu_seq_len_ke[out] = (start + seen[keep]).to(cu_seq_len_ke.dtype)
+    cu = cu_compressed_seq_lens[: num_reqs + 1].long()
+    owners = torch.repeat_interleave(reqs, cu[1:] - cu[:-1])
+    token_to_seq[cu[0] + torch.arange(owners.shape[0], device=dev)] = owners.to(
+        token_to_seq.dtype
+    )
+
+
 def _skipped_kernel(*args: Any, **kwargs: Any) -> None:
     """A metadata kernel whose outputs vLLM's CPU V4 model never reads (see
     :func:`patch_v4_cpu_metadata`)."""
 
 
-#: (module, attribute) of the V4 metadata kernels whose outputs the CPU model never reads:
-#: the sliding-window / prefill index lists (its attention computes each token's window from
-#: positions) and the indexer's decode / prefill plans (read by the long-context indexer ops)
-_UNREAD_V4_KERNELS = (
-    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL"),
-    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_PREFILL_METADATA_KERNEL"),
-    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL"),
-    ("vllm.v1.attention.backends.mla.indexer", "_PREPARE_UNIFORM_DECODE_KERNEL"),
-    ("vllm.v1.attention.backends.mla.indexer", "_BUILD_PREFILL_CHUNK_METADATA_KERNEL"),
-)
+class _EagerKernel:
+    """A torch function standing in for one of vLLM's Triton kernel objects: called as the
+    kernel is; its JIT warm-up registration does nothing."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.fn(*args, **kwargs)
+
+    def register_warmup(self, *args: Any, **kwargs: Any) -> None:
+        """No Triton kernel to compile."""
+
+
+#: (module, attribute, torch stand-in) of V4's metadata kernels: the sliding-window / prefill
+#: index lists are skipped (the CPU attention computes each token's window from positions and
+#: never reads them); the indexer's decode / prefill plans, read by its long-context ops, and
+#: the compressed slot mapping, read by the compressors, are computed
+_V4_KERNELS = (
+    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL",
+     _skipped_kernel),
+    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_PREFILL_METADATA_KERNEL",
+     _skipped_kernel),
+    ("vllm.v1.attention.backends.mla.sparse_swa", "_COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL",
+     _skipped_kernel),
+    ("vllm.v1.attention.backends.mla.indexer", "_PREPARE_UNIFORM_DECODE_KERNEL",
+     _prepare_uniform_decode),
+    ("vllm.v1.attention.backends.mla.indexer", "_BUILD_PREFILL_CHUNK_METADATA_KERNEL",
+     _build_prefill_chunk_metadata),
+    ("vllm.v1.attention.backends.mla.compressor_utils", "_COMPRESSED_SLOT_MAPPING_KERNEL",
+     _compressed_slot_mapping),
+)  # fmt: skip
 #: modules that bind vLLM's compute_token_to_req_indices by name and import on CPU
 _TOKEN_TO_REQ_MODULES = (
     "vllm.v1.attention.ops.metadata",
@@ -585,13 +664,10 @@ def patch_v4_cpu_metadata() -> None:
         module = importlib.import_module(name)
         if hasattr(module, "compute_token_to_req_indices"):
             module.compute_token_to_req_indices = _token_to_req_indices
-    for name, attr in _UNREAD_V4_KERNELS:
+    for name, attr, fn in _V4_KERNELS:
         module = importlib.import_module(name)
         if hasattr(module, attr):
-            setattr(module, attr, _skipped_kernel)
-    importlib.import_module(
-        "vllm.v1.attention.backends.mla.compressor_utils"
-    )._COMPRESSED_SLOT_MAPPING_KERNEL = _compressed_slot_mapping
+            setattr(module, attr, _EagerKernel(fn))
 
 
 def patch_v4_tile_scheduler_keys() -> None:

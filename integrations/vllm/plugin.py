@@ -209,15 +209,16 @@ def validate_dsa_config(vllm_config: Any) -> None:
 V4_HEAD_DIM, V4_ROPE = 512, 64
 #: V4 cache dtypes served (vLLM's CPU path stores V4's fp8 page layout: "auto" means it)
 V4_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+#: the top-k vLLM's CPU V4 indexer runs (``SparseAttnIndexer.forward_cpu`` asserts it)
+V4_INDEX_TOPK = 512
 
 
 def validate_v4_config(vllm_config: Any) -> None:
     """Start-up checks of DeepSeek-V4 (vLLM's model-driven V4 path with the core's kernels
     underneath, :mod:`.v4_ops`): V4's attention dims (head_dim 512, RoPE 64), its fp8 cache
-    and fp8 index cache, one rank (tensor / context parallel untested), and a
-    ``max_model_len`` whose compressed contexts fit ``index_topk`` (the long-context indexer
-    ops are not served yet);
-    ``ValueError`` names the value and what is supported."""
+    and fp8 index cache, one rank (tensor / context parallel untested), and ``index_topk``
+    512 where a compressed context can exceed it (vLLM's CPU indexer forward asserts 512 on
+    its long-context path); ``ValueError`` names the value and what is supported."""
     hf = vllm_config.model_config.hf_text_config
     head, rope = getattr(hf, "head_dim", None), getattr(hf, "qk_rope_head_dim", None)
     if (head, rope) != (V4_HEAD_DIM, V4_ROPE):
@@ -251,12 +252,14 @@ def validate_v4_config(vllm_config: Any) -> None:
     topk = getattr(hf, "index_topk", None)
     csa = min((r for r in ratios if r < 128), default=None)
     max_len = int(vllm_config.model_config.max_model_len)
-    if csa is not None and topk is not None and max_len // csa > int(topk):
+    reached = csa is not None and topk is not None and max_len // csa > int(topk)
+    if reached and int(topk) != V4_INDEX_TOPK:
         raise ValueError(
-            f"attention backend {BACKEND_NAME}, DeepSeek-V4: max_model_len={max_len} is not "
-            f"supported yet: its compressed context ({max_len} // {csa}) exceeds "
-            f"index_topk={topk}, where the indexer's long-context ops run (not served on this "
-            f"CPU yet); supported: max_model_len <= {csa * int(topk)}"
+            f"attention backend {BACKEND_NAME}, DeepSeek-V4: index_topk={topk} is not "
+            f"supported at max_model_len={max_len} (compressed contexts up to {max_len} // "
+            f"{csa} entries): vLLM's CPU indexer runs its top-k only at index_topk "
+            f"{V4_INDEX_TOPK}; supported: index_topk {V4_INDEX_TOPK}, or max_model_len <= "
+            f"{csa * int(topk)}"
         )
 
 

@@ -17,11 +17,16 @@ runs with the core's kernels underneath::
     compress_norm_rope_store_indexer_cpu   the same for the indexer's 128-wide keys (the core's
                                      fp8 index cache writer, power-of-two scales)
 
-The indexer's long-context ops (``fp8_paged_mqa_logits_cpu``, ``topk_transform_512_cpu``,
-``fused_indexer_q_rope_quant_cpu``: only reached when a request's compressed context exceeds
-``index_topk``) are not served yet: they raise, and start-up refuses a ``max_model_len`` that
-could reach them (:func:`mla_backend_integrations.vllm.plugin.validate_v4_config`). The
-non-attention ops (mHC, routers, the grouped output GEMM) are :mod:`.v4_model_ops`.
+The indexer's long-context ops (reached when a request's compressed context exceeds
+``index_topk``) go through the core's indexer over rows (:mod:`mla_backend.indexer_rows`)::
+
+    fused_indexer_q_rope_quant_cpu   the indexer query: RoPE (bf16-rounded), e4m3 per head with a
+                                     power-of-two scale folded into the head weights
+    fp8_paged_mqa_logits_cpu         each row's logits over its compressed keys in the fp8 index
+                                     cache (the plan's indexer kernels: native at every level)
+    topk_transform_512_cpu           each row's top-k (the core's rule), translated to cache slots
+
+The non-attention ops (mHC, routers, the grouped output GEMM) are :mod:`.v4_model_ops`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import torch
 
 import mla_backend as mb
 from mla_backend import compressor as cz
+from mla_backend.fp8 import quantize_fp8_groups
 from mla_backend.index_cache import IndexCacheLayout
+from mla_backend.indexer_rows import indexer_logits_rows, topk_rows
 from mla_backend.rope import rope_interleaved
 from mla_backend.v4_cache import V4_HEAD_DIM, write_v4_rows
 from mla_backend.v4_layer import v4_attention_slots
@@ -86,6 +93,10 @@ SCHEMAS: dict[str, str] = {
 
 #: the indexer key width of DeepSeek-V4 (its compressor's head_dim on the indexer path)
 INDEX_HEAD_DIM = 128
+#: V4's fp8 index cache: per page the e4m3 keys, then one power-of-two float32 scale per key
+INDEX_LAYOUT = IndexCacheLayout.named("fp8", INDEX_HEAD_DIM, scale_fmt="ue8m0")
+#: the floor of the indexer query's amax before its scale (vLLM's fused_indexer_q_rope_quant)
+INDEX_Q_AMAX_FLOOR = 1e-4
 
 
 def fused_qnorm_rope_kv_insert_cpu(
@@ -235,24 +246,92 @@ def compress_norm_rope_store_indexer_cpu(
     slots, entries = _entries(state_cache, gather_slots, positions, kv_slot_mapping,
                               rms_norm_weight, rms_norm_eps, cos_sin_cache, compress_ratio,
                               INDEX_HEAD_DIM)  # fmt: skip
-    layout = IndexCacheLayout.named("fp8", INDEX_HEAD_DIM, scale_fmt="ue8m0")
-    nb, bs = kv_cache_2d.shape[0], kv_cache_block_size
-    cache = kv_cache_2d[:, : bs * layout.width].view(nb, bs, layout.width)
-    mb.write_index_keys(cache, entries.to(torch.bfloat16), slots, layout=layout)
+    cache = _index_pages(kv_cache_2d, kv_cache_block_size)
+    mb.write_index_keys(cache, entries.to(torch.bfloat16), slots, layout=INDEX_LAYOUT)
 
 
-def _long_context(name: str):
-    def op(*args: object, **kwargs: object) -> None:
-        raise NotImplementedError(
-            f"mla_backend: vLLM's DeepSeek-V4 CPU op {name} (the indexer over a compressed "
-            "context longer than index_topk) is not served on this CPU yet; keep "
-            "max_model_len <= compress_ratio x index_topk"
+def _index_pages(kv_cache_2d: torch.Tensor, block_size: int) -> torch.Tensor:
+    """vLLM's 2-D index cache view (uint8 [pages, >= page bytes], any page stride) as the
+    core's [pages, block_size, 132] (:data:`INDEX_LAYOUT`)."""
+    width = INDEX_LAYOUT.width
+    if kv_cache_2d.dim() != 2 or kv_cache_2d.shape[1] < block_size * width:
+        raise ValueError(
+            f"index cache {tuple(kv_cache_2d.shape)} does not hold pages of {block_size} keys "
+            f"of {width} bytes"
         )
-
-    op.__name__ = name
-    return op
+    return kv_cache_2d[:, : block_size * width].view(kv_cache_2d.shape[0], block_size, width)
 
 
-fp8_paged_mqa_logits_cpu = _long_context("fp8_paged_mqa_logits_cpu")
-topk_transform_512_cpu = _long_context("topk_transform_512_cpu")
-fused_indexer_q_rope_quant_cpu = _long_context("fused_indexer_q_rope_quant_cpu")
+def fused_indexer_q_rope_quant_cpu(
+    positions: torch.Tensor,
+    index_q: torch.Tensor,
+    index_q_cos_sin_cache: torch.Tensor,
+    index_q_fp8: torch.Tensor,
+    index_weights: torch.Tensor,
+    index_weights_softmax_scale: float,
+    index_weights_head_scale: float,
+    index_weights_out: torch.Tensor,
+) -> None:
+    """The indexer query of the long-context path: index_q [T, Hi, Di] float32 gets interleaved
+    RoPE on its last ``rope`` values (``index_q_cos_sin_cache`` [P, rope]), those rounded to
+    bf16, then each (token, head) row is stored in ``index_q_fp8`` [T, Hi, Di] e4m3 with the
+    power-of-two scale ``2^ceil(log2(max(amax, 1e-4) / 448))``, which is folded into
+    ``index_weights_out`` [T, Hi] float32 = index_weights x scale x softmax_scale x head_scale
+    (vLLM's ``fused_indexer_q_rope_quant``, fp8 arm)."""
+    rope = index_q_cos_sin_cache.shape[1]
+    r = rope_interleaved(index_q.float(), index_q_cos_sin_cache, positions)
+    r[..., -rope:] = r[..., -rope:].to(torch.bfloat16).float()
+    q8, scale = quantize_fp8_groups(r, r.shape[-1], eps=INDEX_Q_AMAX_FLOOR, pow2_scale=True)
+    index_q_fp8.copy_(q8)
+    w = index_weights.float() * scale[..., 0]
+    index_weights_out.copy_(w * index_weights_softmax_scale * index_weights_head_scale)
+
+
+def fp8_paged_mqa_logits_cpu(
+    q_fp8: torch.Tensor,
+    kvcache_fp8: torch.Tensor,
+    weight: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Row b's indexer logits over its first ``seq_lens[b]`` compressed keys (through
+    ``page_table[b]``, ``block_size`` keys a page of the fp8 index cache ``kvcache_fp8``):
+    float32 [B, max_seq_len], ``sum_h weight[b, h] * relu(q_fp8[b, h] . k[t])``; -inf past a
+    row's keys (vLLM leaves them unwritten; its top-k never reads them)."""
+    cache = _index_pages(kvcache_fp8, block_size)
+    return indexer_logits_rows(q_fp8, weight, cache, seq_lens, page_table, INDEX_LAYOUT,
+                               max_seq_len)  # fmt: skip
+
+
+def topk_transform_512_cpu(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tables: torch.Tensor,
+    out_page_indices: torch.Tensor,
+    page_size: int,
+    out_raw_indices: torch.Tensor | None,
+) -> None:
+    """Row b's top-k keys (k = ``out_page_indices.shape[1]``, 512 in V4) of scores [B, S] over
+    its first ``seq_lens[b]``: every key when they fit, else the k best by the core's rule (a
+    tie to the lower key), a -inf or NaN score never picked (as vLLM's op); -1 padded.
+    ``out_raw_indices`` [B, k] (optional) gets the keys, ``out_page_indices`` [B, k] their
+    slots ``page_tables[b, key // page_size] * page_size + key % page_size``. The keys come in
+    ascending order, vLLM's op orders them by score: its consumers read them as a set."""
+    B, S = scores.shape
+    K = out_page_indices.shape[1]
+    raw = torch.full((B, K), -1, dtype=torch.int32, device=scores.device)
+    if S:
+        topk_rows(scores, seq_lens, K, out=raw)
+        picked = scores.gather(1, raw.clamp(min=0).long())
+        ranked = (seq_lens.long() > K)[:, None]  # rows whose keys do not all fit
+        dropped = ranked & (torch.isnan(picked) | (picked == float("-inf")))
+        raw = torch.where(dropped, -1, raw)
+    key = raw.long().clamp(min=0)
+    page = key // page_size
+    inside = (raw >= 0) & (page < page_tables.shape[1])
+    phys = page_tables.gather(1, page.clamp(max=page_tables.shape[1] - 1)).long()
+    out_page_indices.copy_(torch.where(inside, phys * page_size + key % page_size, -1))
+    if out_raw_indices is not None:
+        out_raw_indices.copy_(raw)

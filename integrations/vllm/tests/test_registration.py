@@ -205,7 +205,9 @@ V4_HF = dict(model_type="deepseek_v4", head_dim=512, qk_rope_head_dim=64, index_
         (dict(hf=V4_HF, tp=2), "tensor_parallel_size=2"),
         (dict(hf=V4_HF, indexer_kv="mxfp4"), "indexer_kv_dtype='mxfp4'"),
         (dict(hf=V4_HF, dcp=2), "decode_context_parallel_size=2"),
-        (dict(hf=V4_HF, max_model_len=4096), r"max_model_len=4096 .* max_model_len <= 2048"),
+        (dict(hf={**V4_HF, "index_topk": 256}, max_model_len=4096),
+         r"index_topk=256 .* max_model_len=4096 .* supported: index_topk 512, or max_model_len <= "
+         r"1024"),
     ],
 )
 def test_v4_unsupported_settings_are_named(kw: dict, named: str) -> None:
@@ -214,6 +216,9 @@ def test_v4_unsupported_settings_are_named(kw: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         plugin.validate_engine_config(_fake_config(**kw))
     plugin.validate_engine_config(_fake_config(hf=V4_HF, window=128, max_model_len=2048))
+    plugin.validate_engine_config(_fake_config(hf=V4_HF, window=128, max_model_len=131072))
+    plugin.validate_engine_config(_fake_config(hf={**V4_HF, "index_topk": 256}, window=128,
+                                               max_model_len=1024))  # fmt: skip
     plugin.validate_engine_config(_fake_config(hf={**V4_HF, "compress_ratios": [128, 0]},
                                                max_model_len=65536))  # fmt: skip
 
