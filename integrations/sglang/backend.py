@@ -50,14 +50,16 @@ from mla_backend_integrations.sglang.batch import build_mla_batch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 import mla_backend as mb
+from mla_backend import sparse as mbs
 from mla_backend.cache_layout import CacheLayout
+from mla_backend.index_cache import IndexCacheLayout, IndexerDims
 from mla_backend.selection import log_once
 
 logger = logging.getLogger("mla_backend.sglang")
 
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_ALLOWED_KWARGS = {"q_rope", "k_rope"}
+_ALLOWED_KWARGS = {"q_rope", "k_rope", "topk_indices"}
 
 
 @dataclass
@@ -111,11 +113,24 @@ class MLAAbsorbBackend(AttentionBackend):
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         pool_cls = type(self.token_to_kv_pool).__name__
-        if pool_cls != "MLATokenToKVPool":
+        #: a DSA model's indexer dims (None for dense MLA): the plans then carry them
+        self.indexer_dims = IndexerDims.from_config(getattr(mc, "hf_config", None))
+        self.index_layout: IndexCacheLayout | None = None
+        if compat.is_dsa_pool(self.token_to_kv_pool):
+            if self.indexer_dims is None:
+                _fail(f"KV pool {pool_cls} for a model without index_topk (not a DSA model)")
+            pool = self.token_to_kv_pool
+            self.index_layout = IndexCacheLayout.named(
+                "fp8", int(pool.index_head_dim), int(pool.quant_block_size), scale_fmt="ue8m0"
+            )
+        elif pool_cls != "MLATokenToKVPool":
             _fail(
                 f"KV pool {pool_cls} is not supported; mla_absorb reads SGLang's plain "
-                "MLATokenToKVPool (no DSA/NSA, FP4 or unified hybrid pools)"
+                "MLATokenToKVPool and, for DSA models, DSATokenToKVPool (no NSA, FP4 or "
+                "unified hybrid pools)"
             )
+        elif self.indexer_dims is not None:
+            _fail(f"a DSA model (index_topk {self.indexer_dims.topk}) on KV pool {pool_cls}")
         #: the layers' cache layout, named once here from the pool (DeepSeek's tile-scaled
         #: fp8 rows when it stores them, else its dtype) and read by every call
         model_dtype = self.data_type if self.data_type in _MODEL_DTYPES else torch.bfloat16
@@ -190,7 +205,8 @@ class MLAAbsorbBackend(AttentionBackend):
         """Translate the ForwardBatch and plan the step once per forward; every layer (and
         the forward-method handler) reads the plan."""
         batch = build_mla_batch(forward_batch, self.req_to_token, self.page_size)
-        plan = mb.plan(batch, self.dims, self.policy, device=self.device)
+        plan = mb.plan(batch, self.dims, self.policy, device=self.device,
+                       indexer=self.indexer_dims)  # fmt: skip
         self.forward_metadata = MLAAbsorbMetadata(plan=plan)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
@@ -200,6 +216,21 @@ class MLAAbsorbBackend(AttentionBackend):
         if self.forward_metadata is None:
             self.init_forward_metadata(forward_batch)
         return self.forward_metadata.plan
+
+    def index_cache(self, layer_id: int) -> torch.Tensor:
+        """A DSA layer's index keys in SGLang's ``DSATokenToKVPool`` as the core's fp8 index
+        cache uint8 [num_pages, page_size, Di + 4 Di / 128] (no copy)."""
+        if self.index_layout is None:
+            _fail("the model has no DSA index cache (not a DSA model)")
+        return compat.index_cache_view(
+            self.token_to_kv_pool, layer_id, self.page_size, self.index_layout.width
+        )
+
+    def uses_sparse(self, plan: mb.MLAPlan) -> bool:
+        """Whether the step sends a request on a sparse route (a DSA step with a context
+        above ``index_topk``): SGLang passes the indexer's selection to the absorbed path
+        only, so such a step runs absorbed."""
+        return plan.sparse is not None and plan.choice.sparse_mode != "dense"
 
     @property
     def ds_layout(self) -> CacheLayout | None:
@@ -287,6 +318,8 @@ class MLAAbsorbBackend(AttentionBackend):
             _fail(f"unsupported attention arguments {sorted(extra)} (sparse/sink attention)")
         plan = self._plan(forward_batch)
         if self._is_mha_call(layer):
+            if self.uses_sparse(plan):
+                _fail("a DSA step with a sparse request reached the MHA path (no selection)")
             return self._forward_normal(q, layer, forward_batch, plan)
         return self._forward_absorbed(q, k, layer, forward_batch, plan, save_kv_cache, kwargs)
 
@@ -311,8 +344,17 @@ class MLAAbsorbBackend(AttentionBackend):
         n = plan.num_tokens
         if n > T:
             _fail(f"{T} query rows for a step of {n} tokens")
-        o_lat, _ = mb.absorbed_attention(q_lat[:n], q_pe[:n], kv_cache, plan, layer.scaling)
-        self._note_path("absorbed", plan)
+        if self.uses_sparse(plan):
+            idx = kwargs.get("topk_indices")
+            if idx is None:
+                _fail(f"layer {layer.layer_id}: a sparse DSA step without topk_indices")
+            o_lat, _ = mbs.sparse_absorbed_attention(
+                q_lat[:n], q_pe[:n], kv_cache, plan, idx[:n], layer.scaling
+            )
+            self._note_path("sparse_absorbed", plan)
+        else:
+            o_lat, _ = mb.absorbed_attention(q_lat[:n], q_pe[:n], kv_cache, plan, layer.scaling)
+            self._note_path("absorbed", plan)
         return pad_rows(o_lat, T).reshape(T, H * r)
 
     def _forward_normal(self, q, layer, forward_batch, plan):

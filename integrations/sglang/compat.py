@@ -70,9 +70,53 @@ SPLIT_QK_BACKENDS = Workaround(
     "the backend serves both conventions (use_split_qk)",
 )
 
+DSA_CPU_CAPABILITY = Workaround(
+    "dsa-cpu-capability",
+    TESTED_SGLANG_RANGE,
+    "for a DSA model (DeepSeek-V3.2, GLM-5) the server-argument hook handle_model_specific_"
+    "adjustments (srt/arg_groups/model_hook.py) and the DSA passes it runs "
+    "(_dsa_kv_cache_dtype_default, _dsa_split_backend_resolution in srt/arg_groups/"
+    "overrides.py) call torch.cuda.get_device_capability() on every platform but NPU and XPU, "
+    "the CPU platform included, where a CPU torch raises 'Torch not compiled with CUDA enabled'",
+    sglang_version,
+    _LOGGER,
+    "while that one hook runs on SGLang's CPU platform with no CUDA device, "
+    "torch.cuda.get_device_capability answers (0, 0), no CUDA capability (the DSA KV cache "
+    "then defaults to bfloat16); torch's own everywhere else (answer_cpu_capability)",
+)
+DSA_POOL = Workaround(
+    "dsa-pool",
+    TESTED_SGLANG_RANGE,
+    "for a DSA model KVCacheConfigurator (srt/mem_cache/kv_cache_configurator.py) builds "
+    "DSATokenToKVPool whatever the attention backend: MLATokenToKVPool's latent rows plus, "
+    "per layer, the indexer's keys in 64-token pages of uint8 [pages, 64 x (Di + 4 Di / 128)] "
+    "(a page's e4m3 keys, then its float32 scales: IndexKeyCache), written and read by CUDA "
+    "kernels only",
+    sglang_version,
+    _LOGGER,
+    "the backend reads the latent rows as from MLATokenToKVPool and views a layer's "
+    "index-key buffer (index_key_cache.buffer) as the core's fp8 index cache [pages, "
+    "page_size, Di + 4 Di / 128], the same bytes (index_cache_view)",
+)
+DSA_INDEXER_CPU = Workaround(
+    "dsa-indexer-cpu",
+    TESTED_SGLANG_RANGE,
+    "the DSA Indexer (srt/layers/attention/dsa/dsa_indexer.py), a BaseFusedOp, has CUDA, "
+    "HIP, XPU and NPU forwards only; on the CPU platform dispatch falls through to "
+    "forward_native, which raises NotImplementedError (BaseFusedOp.register_oot_forward "
+    "serves out-of-tree platforms only)",
+    sglang_version,
+    _LOGGER,
+    "Indexer.forward_native is replaced when the plugin registers (serve_indexer_on_cpu) by "
+    "sparse.indexer_forward: SGLang's own projections and weights, then the core's index-key "
+    "write and top-k over the DSA pool (under mla_absorb; any other backend still gets "
+    "upstream's NotImplementedError)",
+)
+
 #: every workaround above, in the order docs/engines.md lists them
 WORKAROUNDS: tuple[Workaround, ...] = (
     PLAIN_MLA_ON_CPU, CPU_IMPORT_STUBS, ATTENTION_TP_SIZE, SPLIT_QK_BACKENDS,
+    DSA_CPU_CAPABILITY, DSA_POOL, DSA_INDEXER_CPU,
 )  # fmt: skip
 
 
@@ -129,3 +173,83 @@ def use_split_qk(backends: list[str], name: str, split: bool) -> None:
         backends.append(name)
     elif not split and name in backends:
         backends.remove(name)
+
+
+#: the CUDA capability answered on a CPU platform inside the argument hook: none
+NO_CUDA_CAPABILITY = (0, 0)
+
+
+def answer_cpu_capability(model_hook: Any) -> None:
+    """Wrap ``model_hook.handle_model_specific_adjustments`` (SGLang's module, passed in) so
+    that, on SGLang's CPU platform without a CUDA device, ``torch.cuda.get_device_capability``
+    answers :data:`NO_CUDA_CAPABILITY` for the duration of that call only (see
+    :data:`DSA_CPU_CAPABILITY`); idempotent."""
+    if not DSA_CPU_CAPABILITY.applies():
+        return
+    original = model_hook.handle_model_specific_adjustments
+    if getattr(original, "_mla_absorb_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def handle_model_specific_adjustments(server_args: Any) -> Any:
+        import torch
+        from sglang.srt.utils.common import is_cpu
+
+        if not is_cpu() or torch.cuda.is_available():
+            return original(server_args)
+        saved = torch.cuda.get_device_capability
+        torch.cuda.get_device_capability = lambda device=None: NO_CUDA_CAPABILITY
+        try:
+            return original(server_args)
+        finally:
+            torch.cuda.get_device_capability = saved
+
+    handle_model_specific_adjustments._mla_absorb_wrapped = True  # type: ignore[attr-defined]
+    model_hook.handle_model_specific_adjustments = handle_model_specific_adjustments
+
+
+def is_dsa_pool(pool: Any) -> bool:
+    """Whether ``pool`` is SGLang's ``DSATokenToKVPool`` (or a subclass), read by name (no
+    import), inside :data:`DSA_POOL`'s versions."""
+    names = {c.__name__ for c in type(pool).__mro__}
+    return "DSATokenToKVPool" in names and DSA_POOL.applies()
+
+
+def index_cache_view(pool: Any, layer_id: int, page_size: int, width: int) -> Any:
+    """The index keys of ``layer_id`` in a ``DSATokenToKVPool`` as the core's fp8 index cache
+    uint8 [pages, page_size, width] (``width`` = Di + 4 Di / 128; no copy), see
+    :data:`DSA_POOL`. Raises ``ValueError`` for pooled / compressed index pages or a layer
+    without its own keys (a shared top-k layer)."""
+    if getattr(pool, "index_kpool", 1) != 1 or getattr(pool, "index_page_size", page_size) != (
+        page_size
+    ):
+        raise ValueError(
+            f"DSA index pages of {getattr(pool, 'index_page_size', '?')} tokens (index_kpool "
+            f"{getattr(pool, 'index_kpool', '?')}) are not supported; supported: one index key "
+            f"per token in pages of the KV page size {page_size}"
+        )
+    buf = pool.index_key_cache.buffer[layer_id - getattr(pool, "start_layer", 0)]
+    if buf.shape[0] == 0:
+        raise ValueError(f"layer {layer_id} holds no index keys (it reuses another layer's)")
+    if buf.shape[1] != page_size * width:
+        raise ValueError(
+            f"DSA index page of {buf.shape[1]} bytes; the core's fp8 layout needs page_size "
+            f"{page_size} x {width}"
+        )
+    return buf.view(buf.shape[0], page_size, width)
+
+
+def serve_indexer_on_cpu(indexer_cls: Any, forward: Any) -> None:
+    """Make ``forward`` the ``forward_native`` of SGLang's DSA ``Indexer`` class (upstream's
+    raises NotImplementedError), see :data:`DSA_INDEXER_CPU`; idempotent."""
+    if not DSA_INDEXER_CPU.applies():
+        return
+    if getattr(indexer_cls.forward_native, "_mla_absorb_cpu", False):
+        return
+    upstream = indexer_cls.forward_native
+
+    def forward_native(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, upstream, *args, **kwargs)
+
+    forward_native._mla_absorb_cpu = True  # type: ignore[attr-defined]
+    indexer_cls.forward_native = forward_native

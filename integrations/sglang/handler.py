@@ -31,7 +31,8 @@ from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods
 )
 
 
-def _our_backend(forward_batch: Any) -> Any:
+def our_backend(forward_batch: Any) -> Any:
+    """The step's ``mla_absorb`` backend (through SGLang's wrappers), or None."""
     from mla_backend_integrations.sglang.backend import MLAAbsorbBackend
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_mha import (
         resolve_attn_backend,
@@ -43,13 +44,14 @@ def _our_backend(forward_batch: Any) -> Any:
 
 def handle_attention_mla_absorb(attn: Any, forward_batch: Any) -> AttnForwardMethod:
     """Forward method for one DeepSeek attention layer and batch (MLA or MHA)."""
-    backend = _our_backend(forward_batch)
+    backend = our_backend(forward_batch)
     if backend is None:  # e.g. called for a wrapped/hybrid backend we do not own: absorb
         return _dispatch_mla_subtype(attn, forward_batch)
     backend.bind_layer(attn)
     if backend.forward_metadata is None:
         backend.init_forward_metadata(forward_batch)
-    if backend.forward_metadata.plan.uses_normal:
+    plan = backend.forward_metadata.plan
+    if plan.uses_normal and not backend.uses_sparse(plan):
         return AttnForwardMethod.MHA
     # absorbed: the plain MLA method (compat: the CPU fused-rope subtype would bypass us)
     return absorbed_forward_method(attn, forward_batch)

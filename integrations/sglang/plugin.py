@@ -43,6 +43,18 @@ def qk_convention() -> str:
     return value
 
 
+def register_dsa() -> None:
+    """DSA models on the CPU platform: the argument hook's CUDA capability query answered, and
+    SGLang's DSA ``Indexer`` given a CPU forward (``compat.DSA_CPU_CAPABILITY``,
+    ``compat.DSA_INDEXER_CPU``); idempotent."""
+    from mla_backend_integrations.sglang.sparse import indexer_forward
+    from sglang.srt.arg_groups import model_hook
+    from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
+
+    compat.answer_cpu_capability(model_hook)
+    compat.serve_indexer_on_cpu(Indexer, indexer_forward)
+
+
 def register() -> None:
     """Entry point: register the backend, its CLI choice and its DeepSeek handler."""
     from mla_backend_integrations.sglang.handler import handle_attention_mla_absorb
@@ -66,4 +78,5 @@ def register() -> None:
     compat.use_split_qk(
         ds_utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS, BACKEND_NAME, qk_convention() == "split"
     )
+    register_dsa()
     logger.info("mla-backend: registered SGLang attention backend %r", BACKEND_NAME)
