@@ -84,6 +84,19 @@ DSA_CPU_CAPABILITY = Workaround(
     "torch.cuda.get_device_capability answers (0, 0), no CUDA capability (the DSA KV cache "
     "then defaults to bfloat16); torch's own everywhere else (answer_cpu_capability)",
 )
+DSA_CPU_KV_DTYPE = Workaround(
+    "dsa-cpu-kv-dtype",
+    TESTED_SGLANG_RANGE,
+    "for a DSA model the argument pass _dsa_kv_cache_dtype_default (srt/arg_groups/"
+    "overrides.py) turns --kv-cache-dtype auto into bfloat16 (fp8_e4m3 from SM100 on) and "
+    "accepts only bfloat16 / fp8_e4m3, what SGLang's CUDA DSA kernels read, on the CPU "
+    "platform too; an fp32 (or fp16) model then gets a bfloat16 latent cache",
+    sglang_version,
+    _LOGGER,
+    "on the CPU platform with --attention-backend mla_absorb, auto stays auto (the model's "
+    "dtype, which the core reads: bf16 / fp16 / fp32); explicit values and every other "
+    "platform or backend go through upstream's pass (answer_cpu_capability)",
+)
 DSA_POOL = Workaround(
     "dsa-pool",
     TESTED_SGLANG_RANGE,
@@ -116,7 +129,7 @@ DSA_INDEXER_CPU = Workaround(
 #: every workaround above, in the order docs/engines.md lists them
 WORKAROUNDS: tuple[Workaround, ...] = (
     PLAIN_MLA_ON_CPU, CPU_IMPORT_STUBS, ATTENTION_TP_SIZE, SPLIT_QK_BACKENDS,
-    DSA_CPU_CAPABILITY, DSA_POOL, DSA_INDEXER_CPU,
+    DSA_CPU_CAPABILITY, DSA_CPU_KV_DTYPE, DSA_POOL, DSA_INDEXER_CPU,
 )  # fmt: skip
 
 
@@ -179,11 +192,36 @@ def use_split_qk(backends: list[str], name: str, split: bool) -> None:
 NO_CUDA_CAPABILITY = (0, 0)
 
 
-def answer_cpu_capability(model_hook: Any) -> None:
+def _on_cpu_platform() -> bool:
+    import torch
+    from sglang.srt.utils.common import is_cpu
+
+    return is_cpu() and not torch.cuda.is_available()
+
+
+def answer_cpu_capability(model_hook: Any, backend_name: str) -> None:
     """Wrap ``model_hook.handle_model_specific_adjustments`` (SGLang's module, passed in) so
     that, on SGLang's CPU platform without a CUDA device, ``torch.cuda.get_device_capability``
-    answers :data:`NO_CUDA_CAPABILITY` for the duration of that call only (see
-    :data:`DSA_CPU_CAPABILITY`); idempotent."""
+    answers :data:`NO_CUDA_CAPABILITY` for the duration of that call only
+    (:data:`DSA_CPU_CAPABILITY`), and, there, with ``--attention-backend backend_name``, a
+    DSA model's ``--kv-cache-dtype auto`` stays the model's dtype (:data:`DSA_CPU_KV_DTYPE`);
+    idempotent."""
+    if DSA_CPU_KV_DTYPE.applies():
+        upstream_pass = model_hook._dsa_kv_cache_dtype_default
+        if not getattr(upstream_pass, "_mla_absorb_wrapped", False):
+
+            @functools.wraps(upstream_pass)
+            def _dsa_kv_cache_dtype_default(view: Any) -> dict:
+                if (
+                    _on_cpu_platform()
+                    and getattr(view, "attention_backend", None) == backend_name
+                    and getattr(view, "kv_cache_dtype", None) == "auto"
+                ):
+                    return {}
+                return upstream_pass(view)
+
+            _dsa_kv_cache_dtype_default._mla_absorb_wrapped = True  # type: ignore[attr-defined]
+            model_hook._dsa_kv_cache_dtype_default = _dsa_kv_cache_dtype_default
     if not DSA_CPU_CAPABILITY.applies():
         return
     original = model_hook.handle_model_specific_adjustments
@@ -193,9 +231,8 @@ def answer_cpu_capability(model_hook: Any) -> None:
     @functools.wraps(original)
     def handle_model_specific_adjustments(server_args: Any) -> Any:
         import torch
-        from sglang.srt.utils.common import is_cpu
 
-        if not is_cpu() or torch.cuda.is_available():
+        if not _on_cpu_platform():
             return original(server_args)
         saved = torch.cuda.get_device_capability
         torch.cuda.get_device_capability = lambda device=None: NO_CUDA_CAPABILITY

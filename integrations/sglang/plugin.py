@@ -44,14 +44,15 @@ def qk_convention() -> str:
 
 
 def register_dsa() -> None:
-    """DSA models on the CPU platform: the argument hook's CUDA capability query answered, and
-    SGLang's DSA ``Indexer`` given a CPU forward (``compat.DSA_CPU_CAPABILITY``,
-    ``compat.DSA_INDEXER_CPU``); idempotent."""
+    """DSA models on the CPU platform: the argument hook's CUDA capability query answered, the
+    KV cache in the model's dtype, and SGLang's DSA ``Indexer`` given a CPU forward
+    (``compat.DSA_CPU_CAPABILITY``, ``compat.DSA_CPU_KV_DTYPE``, ``compat.DSA_INDEXER_CPU``);
+    idempotent."""
     from mla_backend_integrations.sglang.sparse import indexer_forward
     from sglang.srt.arg_groups import model_hook
     from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
 
-    compat.answer_cpu_capability(model_hook)
+    compat.answer_cpu_capability(model_hook, BACKEND_NAME)
     compat.serve_indexer_on_cpu(Indexer, indexer_forward)
 
 

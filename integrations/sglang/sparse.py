@@ -8,7 +8,8 @@ layer_id=..., return_indices=...)`` and hands what it returns to ``attn_mqa`` as
 platform that op has no forward (``compat.DSA_INDEXER_CPU``); :func:`indexer_forward` is the one
 the plugin installs. It runs SGLang's own projections and weights (``wq_b`` on the query latent,
 ``wk`` + ``k_norm`` on the hidden states, the op's ``rotary_emb`` on the first
-``rope_head_dim`` values, ``weights_proj`` for the head gates) and the core for the rest:
+``rope_head_dim`` values, ``weights_proj``'s weight (bf16 in SGLang whatever the model dtype)
+for the head gates, in float32 as SGLang's CUDA path computes them) and the core for the rest:
 
 * the new tokens' keys into the layer's index-key pages of SGLang's ``DSATokenToKVPool``
   (:func:`mla_backend.sparse.write_index_keys`, the pool's fp8 layout: e4m3 keys then float32
@@ -108,7 +109,10 @@ def indexer_forward(
                 f"mla_absorb: index_head_dim {Di} with quant block {op.block_size} is not "
                 "supported: the query's fp8 scale is folded into one gate per head (Di == block)"
             )
-        gates = op.weights_proj(x[:n])[0].float() * Hi**-0.5
+        # weights_proj's weight is bf16 whatever the model dtype (SGLang's params_dtype); its
+        # CUDA path multiplies in float32 (torch.mm(..., out_dtype=float32)); so here
+        w = op.weights_proj.weight
+        gates = torch.nn.functional.linear(x[:n].float(), w.float()) * Hi**-0.5
         weights = gates * q_scale.view(n, Hi) * op.softmax_scale
         idx = mbs.indexer_topk(
             q_fp8, weights, index_cache, plan, op.index_topk, backend.index_layout

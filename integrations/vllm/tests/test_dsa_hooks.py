@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from dsa_reference import round_query
+from mla_backend_integrations._testing.dsa_reference import round_query
 from mla_backend_integrations.vllm import compat, plugin
 
 
