@@ -42,6 +42,45 @@ def make_model(path: Path, **dims: Any) -> Path:
     return path
 
 
+#: SGLang's CPU rotary asserts a DeepSeek-yarn rope_scaling; at factor 1 (mscale 1) it is the
+#: default RoPE transformers' DSA models read from rope_parameters: same frequencies, no scaling
+YARN_AS_DEFAULT = {
+    "type": "yarn",
+    "factor": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def make_dsa_model(path: Path, index_topk: int, seed: int, preset: str = "v32") -> Path:
+    """A tiny random DSA checkpoint (``make_tiny_dsa`` with ``DSA_PRESETS[preset]``, fp32) that
+    SGLang's CPU path loads and transformers reads the same: ``rope_scaling``
+    :data:`YARN_AS_DEFAULT`, and the indexers' ``weights_proj`` rounded to bf16 values (SGLang
+    keeps that weight in bf16 whatever the model dtype, so the fp32 reference then holds the
+    same values)."""
+    from safetensors.torch import load_file, save_file
+
+    from mla_backend.testing.tiny_model import DSA_PRESETS, make_tiny_dsa
+
+    make_tiny_dsa(path, index_topk=index_topk, dtype="float32", seed=seed,
+                  **DSA_PRESETS[preset])  # fmt: skip
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_scaling"] = dict(
+        YARN_AS_DEFAULT, original_max_position_embeddings=cfg["max_position_embeddings"]
+    )
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if name.endswith("indexer.weights_proj.weight"):
+                tensors[name] = t.to(torch.bfloat16).float()
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return path
+
+
 class Server(engine_server.Server):
     """A CPU SGLang server (``engine_server.Server``) with the requests the tests make."""
 
