@@ -20,6 +20,9 @@ fp32 (the ``dsa-cpu-kv-dtype`` workaround keeps the latent cache fp32):
   every generated token within LOGPROB_ATOL. Negative controls: the unquantized and the dense
   (every token selected) references disagree.
 
+Without ``-m slow``: the start-up check, one prompt within index_topk, the 300-token sparse
+prompt and the path log (the server start dominates); the rest under ``-m slow``.
+
 SGLang rotates q_I / k_I by a Hadamard transform before rounding (a CUDA kernel); the CPU
 forward does not (see ``sparse.py``), and the reference does not either.
 """
@@ -81,20 +84,21 @@ def test_server_built_mla_absorb_on_the_dsa_pool(server):
     assert "kv dtype=torch.float32" in log
 
 
-@pytest.mark.parametrize("length", [1, 8])
+@pytest.mark.parametrize("length", [pytest.param(1, marks=pytest.mark.slow), 8])
 def test_within_topk_matches_unquantized_transformers(server, model, length):
     """Every context <= index_topk: the model is dense MLA; transformers as it is."""
     assert length + N_NEW <= SPARSE_TOPK
     _check(server, DSAOracle(model), _server.random_prompt(length, length))
 
 
-@pytest.mark.parametrize("length", [40, 300])
+@pytest.mark.parametrize("length", [pytest.param(40, marks=pytest.mark.slow), 300])
 def test_sparse_matches_fp8_indexer_reference(server, fp8_oracle, length):
     """Contexts above index_topk (300: five 64-token chunks, each extending the cached prefix
     sparsely) against the reference with SGLang's indexer rounding."""
     _check(server, fp8_oracle, _server.random_prompt(1000 + length, length))
 
 
+@pytest.mark.slow
 def test_prefix_hit_and_concurrent_mixed_batch(server, fp8_oracle):
     """A 128-token cached prefix (two pages) extended sparsely, then short (dense) and long
     (sparse) requests served together."""
@@ -110,6 +114,7 @@ def test_prefix_hit_and_concurrent_mixed_batch(server, fp8_oracle):
         _check(server, fp8_oracle, ids, resp)
 
 
+@pytest.mark.slow
 def test_negative_controls(server, model):
     """The unquantized and the dense (every token selected) references each disagree with the
     server somewhere above index_topk: the rounding and the selection both matter."""
