@@ -133,3 +133,24 @@ def test_every_path_ran(server):
     assert re.search(r"path=sparse_absorbed phase=extend has_prefix=True", log)
     assert re.search(r"path=sparse_absorbed phase=decode", log)
     assert re.search(r"path=(absorbed|normal-call:\w+) phase=extend has_prefix=False", log)
+
+
+@pytest.mark.slow  # a second server (~2 min to start)
+def test_glm5_shape_matches_fp8_indexer_reference(tmp_path):
+    """GLM-5's shape (``DSA_PRESETS["glm5"]``: the third layer reuses the second's top-k,
+    interleaved indexer RoPE, v 256 != nope 192): dense and sparse prompts, one of them
+    chunked, against the same references."""
+    path = _server.make_dsa_model(tmp_path / "glm5", index_topk=SPARSE_TOPK, seed=12,
+                                  preset="glm5")  # fmt: skip
+    srv = _server.start_server(
+        path, tmp_path / "server.log",
+        ["--attention-backend", "mla_absorb", "--chunked-prefill-size", "64"],
+    )  # fmt: skip
+    try:
+        assert "r=512 rope=64 nope=192 v=256 page_size=64" in srv.log()
+        _check(srv, DSAOracle(path), _server.random_prompt(3, 6))
+        fp8_oracle = DSAOracle(path, fp8_indexer=True)
+        for n in (40, 200):
+            _check(srv, fp8_oracle, _server.random_prompt(3000 + n, n))
+    finally:
+        srv.stop()
