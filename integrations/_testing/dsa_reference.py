@@ -16,7 +16,10 @@ computation, with
 * every key rounded as vLLM's ``indexer_k_quant_and_cache`` stores it: per block of 128
   ``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``, ``k = e4m3(k / scale) * scale``.
 
-Both rules are written here from vLLM's definitions (not taken from the code under test). The
+Both rules are written here from vLLM's definitions (not taken from the code under test).
+SGLang's indexer (``act_quant`` with ``scale_fmt="ue8m0"``, which the SGLang adapter's CPU
+forward follows) rounds q and k by the key rule (amax floor 1e-4 for both): the same values
+unless a query group's amax is below 1e-4. Shared by the vLLM and SGLang end-to-end tests. The
 scores are then transformers' formula in fp32: ``sum_h weights_proj(h)[h] * Hi^-0.5 *
 relu(q_h . k_t * Di^-0.5)``, causal, the ``min(index_topk, T)`` best with the core's documented
 tie rule (equal scores: the lower position first; transformers' ``topk`` leaves ties
