@@ -25,6 +25,21 @@ relu(q_h . k_t * Di^-0.5)``, causal, the ``min(index_topk, T)`` best with the co
 tie rule (equal scores: the lower position first; transformers' ``topk`` leaves ties
 unspecified, and with few index heads exact ties are common: every head's ``relu`` at 0).
 
+Latent cache rounding (``latent_cache``): the oracle of an fp8 latent cache rounds the cached
+rows of every token (``c_kv`` = ``kv_a_layernorm``'s output, ``k_pe`` after RoPE) where the
+model reads them back, in each attention module's ``expand_kv`` (the one place transformers'
+DSA attention turns the latents into keys and values), as the named cache stores them:
+
+* ``"fp8"`` / ``"fp8_e4m3"``: both c_kv and k_pe to float8_e4m3fn at per-tensor scale 1.0
+  (vLLM's default ``k_scale``: the checkpoints carry none), as the dense fp8 tests' oracle
+  does (e4m3 at scale 1.0, as the dense tests' ``conftest.fp8_roundtrip``);
+* ``"fp8_ds_mla"``: DeepSeek's tile-scaled layout as vLLM's ``concat_and_cache_ds_mla``
+  stores it: per token, every tile of 128 c_kv values gets ``scale = max(amax / 448,
+  FLT_MIN)`` (float32, not a power of two), ``c_kv = e4m3(clamp(c_kv / scale, -448, 448)) *
+  scale``; k_pe is stored unquantized in the model dtype (fp32 here: exact).
+
+Both rules are written here from vLLM's definitions, not taken from the core's writers.
+
 Decoding: :meth:`DSAOracle.greedy` runs one full forward per generated token, without a cache:
 transformers' cached decode of ``GlmMoeDsaForCausalLM`` disagrees with its own full forward
 (greedy tokens from ``generate`` are not the argmax of a teacher-forced pass, with or without
@@ -46,12 +61,14 @@ FP8_MAX = 448.0
 QUANT_BLOCK = 128
 
 
-def _round_groups(x: torch.Tensor, floor: float) -> torch.Tensor:
-    """x [..., D] rounded to e4m3 per group of 128 with a power-of-two scale (fp32 back)."""
+def _round_groups(x: torch.Tensor, floor: float, pow2: bool = True) -> torch.Tensor:
+    """x [..., D] (D a multiple of 128) rounded to e4m3 per group of 128 values, scale
+    ``max(amax, floor) / 448``, rounded up to a power of two when ``pow2`` (fp32 back)."""
     shape = x.shape
     g = x.float().reshape(*shape[:-1], shape[-1] // QUANT_BLOCK, QUANT_BLOCK)
     scale = g.abs().amax(-1, keepdim=True).clamp(min=floor) / FP8_MAX
-    scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     return (q * scale).reshape(shape)
 
@@ -64,6 +81,46 @@ def round_query(q: torch.Tensor) -> torch.Tensor:
 def round_key(k: torch.Tensor) -> torch.Tensor:
     """vLLM's rounding of an indexer key in its cache (``indexer_k_quant_and_cache``)."""
     return _round_groups(k, 1e-4).to(k.dtype)
+
+
+def round_ds_mla_ckv(c_kv: torch.Tensor) -> torch.Tensor:
+    """c_kv [..., r] as ``fp8_ds_mla`` stores it (module docstring: per token and tile of 128,
+    ``scale = max(amax / 448, FLT_MIN)``), in c_kv's dtype."""
+    floor = torch.finfo(torch.float32).tiny * FP8_MAX  # scale >= FLT_MIN
+    return _round_groups(c_kv, floor, pow2=False).to(c_kv.dtype)
+
+
+def round_per_tensor_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x as the per-tensor fp8 cache stores it (scale 1.0: e4m3 and back, as the dense fp8
+    tests' ``conftest.fp8_roundtrip``)."""
+    return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+
+#: ``--kv-cache-dtype`` -> (rounding of c_kv, rounding of k_pe) of the cached latents
+LATENT_ROUNDING: dict[str, tuple[Any, Any]] = {
+    "auto": (None, None),
+    "fp8": (round_per_tensor_fp8, round_per_tensor_fp8),
+    "fp8_e4m3": (round_per_tensor_fp8, round_per_tensor_fp8),
+    "fp8_ds_mla": (round_ds_mla_ckv, None),
+}
+
+
+def round_cached_latents(attn: Any, latent_cache: str) -> None:
+    """Wrap ``attn.expand_kv`` (c_kv [B, 1, S, r], k_pe [B, 1, S, rope] -> keys, values) so
+    that it reads the latents as the ``latent_cache`` cache stores them."""
+    if latent_cache not in LATENT_ROUNDING:
+        raise ValueError(f"latent_cache={latent_cache!r}; supported: {', '.join(LATENT_ROUNDING)}")
+    round_ckv, round_kpe = LATENT_ROUNDING[latent_cache]
+    if round_ckv is None and round_kpe is None:
+        return
+    orig = attn.expand_kv
+
+    def expand_kv(c_kv: torch.Tensor, k_pe: torch.Tensor) -> Any:
+        c_kv = round_ckv(c_kv) if round_ckv is not None else c_kv
+        k_pe = round_kpe(k_pe) if round_kpe is not None else k_pe
+        return orig(c_kv, k_pe)
+
+    attn.expand_kv = expand_kv
 
 
 @torch.no_grad()
@@ -113,10 +170,16 @@ def rounded_indexer_forward(
 class DSAOracle:
     """transformers' DSA model (fp32, eager) on a checkpoint folder; ``fp8_indexer=True``: the
     indexers round q_I / k_I as vLLM does (module docstring); ``index_topk``: overrides the
-    checkpoint's (e.g. above every context: the dense model, for negative controls)."""
+    checkpoint's (e.g. above every context: the dense model, for negative controls);
+    ``latent_cache``: the ``--kv-cache-dtype`` whose rounding of the cached c_kv / k_pe the
+    attention reads (``auto``: none; module docstring)."""
 
     def __init__(
-        self, path: Path, fp8_indexer: bool = False, index_topk: int | None = None
+        self,
+        path: Path,
+        fp8_indexer: bool = False,
+        index_topk: int | None = None,
+        latent_cache: str = "auto",
     ) -> None:
         import transformers
 
@@ -146,6 +209,8 @@ class DSAOracle:
         if fp8_indexer:
             for ix in self.indexers:
                 ix.forward = MethodType(rounded_indexer_forward, ix)
+        for layer in self.model.model.layers:
+            round_cached_latents(layer.self_attn, latent_cache)
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new: int) -> list[int]:
