@@ -602,9 +602,7 @@ def _build_prefill_chunk_metadata(
     cu_seq_len_ke[out] = (start + seen[keep]).to(cu_seq_len_ke.dtype)
     cu = cu_compressed_seq_lens[: num_reqs + 1].long()
     owners = torch.repeat_interleave(reqs, cu[1:] - cu[:-1])
-    token_to_seq[cu[0] + torch.arange(owners.shape[0], device=dev)] = owners.to(
-        token_to_seq.dtype
-    )
+    token_to_seq[cu[0] + torch.arange(owners.shape[0], device=dev)] = owners.to(token_to_seq.dtype)
 
 
 def _skipped_kernel(*args: Any, **kwargs: Any) -> None:

@@ -18,10 +18,24 @@ prompts below the window, past it, past an HCA entry (128 tokens) and past CSA's
 compressed entry is selected at these lengths: ``index_topk`` 512). Negative control: the
 reference without the fp8 rounding disagrees beyond that tolerance (the rounding is what the
 check measures, so the test can fail).
+
+A 4100-token prompt takes the indexer's long-context path (1025 compressed entries, the top 512
+selected per token: vLLM's ``fp8_paged_mqa_logits_cpu`` / ``topk_transform_512_cpu`` and its
+indexer metadata, served by the adapter). Its selections (recorded from the engine, run in this
+process) overlap the reference's, whose indexer rounds its query and keys as vLLM's fp8 indexer
+does, by at least ``MIN_OVERLAP`` on average per CSA layer, in prefill and in decode: not
+exactly, since e4m3's 3-bit mantissa turns the model's small upstream differences into score
+differences of about 1% that reorder entries near the boundary, and the ReLU'd scores tie at
+exactly 0 (ours go to the lower entry, ``torch.topk``'s order is unspecified); a wrong
+selection overlaps by about half (the negative control: the first 512 entries). Its
+teacher-forced log-probs are within ``LONG_ATOL`` (greedy tokens are not compared there: those
+boundary entries move the logits by up to ~0.1), and the reference that selects every
+compressed entry disagrees beyond it.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +51,15 @@ transformers = pytest.importorskip("transformers")
 #: the reference's remaining difference: the RoPE values' bf16 rounding happens before the
 #: rotation there, after it in vLLM's cache (measured here: <= 0.021 over these prompts)
 LOGPROB_ATOL = 3e-2
+#: the long prompt's log-prob bound (measured over two prompts here: 0.028 and 0.109; the
+#: reference selecting every compressed entry: 0.31 and 1.09)
+LONG_ATOL = 0.25
+LONG_PROMPT = 4100
+#: the least mean share of a token's 512 selected entries the reference also selects, over
+#: the prefill's rows and over the decode steps, per CSA layer (measured here: 0.987 and
+#: 0.975 at the worst layer; single rows go down to 0.68 where many entries crowd near 0)
+MIN_OVERLAP = 0.95
+INDEX_TOPK = 512
 MAX_NEW = 8
 VOCAB = 1024
 NOPE, TILE, FP8_MAX = 448, 64, 448.0
@@ -58,13 +81,34 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+def _e4m3_pow2(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 128] in e4m3 with one power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448))
+    per row, back in x's dtype."""
+    amax = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    return q.to(x.dtype)
+
+
+def fp8_indexer_rounding(q: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What vLLM's fp8 indexer scores (its long-context path): the RoPE'd query [..., 128] with
+    its RoPE values in bf16, then e4m3 per head (``fused_indexer_q_rope_quant``, fp8 arm); the
+    compressed keys [..., 128] in bf16, then e4m3 per key (the index cache)."""
+    q = q.clone()
+    q[..., -64:] = _bf16(q[..., -64:])
+    return _e4m3_pow2(q), _e4m3_pow2(_bf16(keys))
+
+
 class V4Oracle:
     """transformers' fp32 V4 on the same weights, with its grouped output projection in bf16 as
     vLLM's CPU layer computes it; ``fp8_cache``: the cached rows rounded as vLLM's V4 cache
-    rounds them (forward hooks on the attention's and the compressors' ``kv_norm``; the
-    indexer's keys are not rounded: at these lengths every compressed entry is selected)."""
+    rounds them (forward hooks on the attention's and the compressors' ``kv_norm``);
+    ``fp8_indexer``: the indexer's query and keys rounded as vLLM's fp8 indexer rounds them
+    (:func:`fp8_indexer_rounding`, a hook on its scorer); ``select_all``: every visible
+    compressed entry selected (a negative control of the selection)."""
 
-    def __init__(self, path: Path, fp8_cache: bool = True) -> None:
+    def __init__(self, path: Path, fp8_cache: bool = True, fp8_indexer: bool = True,
+                 select_all: bool = False) -> None:  # fmt: skip
         # transformers' own classes: importing vLLM registers its DeepseekV4Config for the
         # model type, which transformers' model cannot read
         config = transformers.DeepseekV4Config.from_pretrained(str(path))
@@ -77,6 +121,13 @@ class V4Oracle:
                     "self_attn.compressor.kv_norm"
                 ):
                     module.register_forward_hook(lambda _m, _i, out: v4_cache_rounding(out))
+        for name, module in self.model.named_modules():
+            if fp8_indexer and name.endswith("indexer.scorer"):
+                module.register_forward_pre_hook(
+                    lambda _m, args: (*fp8_indexer_rounding(args[0], args[1]), *args[2:])
+                )
+            if select_all and name.endswith("compressor.indexer"):
+                module.index_topk = 1 << 30
         # vLLM's CPU V4 layer runs the grouped output projection (wo_a) in bf16 whatever the
         # model dtype (cpu_sparse.py _o_proj: bf16 weight copy, bf16 input and output)
         for layer in self.model.model.layers:
@@ -105,15 +156,54 @@ def v4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         vocab_size=VOCAB, seed=3)  # fmt: skip
 
 
+#: the indexer's selections the engine made: (key counts [B], selected keys [B, 512]) per call
+Selections = list[tuple[torch.Tensor, torch.Tensor]]
+#: prompts, vLLM's outputs, the long prompt's selections
+Served = tuple[list[list[int]], list[Any], Selections]
+
+
 @pytest.fixture(scope="module")
-def served(v4_model: Path) -> Iterator[tuple[list[list[int]], list[Any]]]:
+def served_all(v4_model: Path) -> Iterator[Served]:
+    """The short prompts, then the long one alone (its indexer calls recorded), served by one
+    engine in this process."""
+    from mla_backend_integrations.vllm import v4_ops
+
     prompts = random_prompts(7, [5, 100, 150, 300], vocab=VOCAB)
-    llm = make_llm(v4_model, max_model_len=1024, max_num_seqs=4)
-    try:
-        outs = generate_greedy(llm, prompts, MAX_NEW)
-    finally:
-        shutdown(llm)
-    yield prompts, outs
+    long_prompt = random_prompts(11, [LONG_PROMPT], vocab=VOCAB)
+    picks: Selections = []
+    topk_rows = v4_ops.topk_rows
+
+    def recorded(scores: torch.Tensor, key_lens: torch.Tensor, topk: int, out: Any = None) -> Any:
+        res = topk_rows(scores, key_lens, topk, out)
+        picks.append((key_lens.clone(), res.clone()))
+        return res
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setattr(v4_ops, "topk_rows", recorded)
+        llm = make_llm(v4_model, max_model_len=LONG_PROMPT + 64, max_num_seqs=4)
+        try:
+            outs = generate_greedy(llm, prompts, MAX_NEW)
+            picks.clear()
+            outs += generate_greedy(llm, long_prompt, MAX_NEW)
+        finally:
+            shutdown(llm)
+    yield prompts + long_prompt, outs, picks
+
+
+@pytest.fixture(scope="module")
+def served(served_all: Served) -> tuple[list[list[int]], list[Any]]:
+    """The prompts whose compressed contexts fit ``index_topk``."""
+    prompts, outs, _ = served_all
+    return prompts[:-1], outs[:-1]
+
+
+def _long_diff(v4_model: Path, served_all: Served,
+               **kw: Any) -> float:  # fmt: skip
+    prompts, outs, _ = served_all
+    got = list(outs[-1].outputs[0].token_ids)
+    ref = V4Oracle(v4_model, **kw).logprobs_along(prompts[-1], got)
+    return (torch.tensor(token_logprobs(outs[-1])) - ref).abs().max().item()
 
 
 def test_greedy_and_logprobs_match_transformers_with_the_fp8_cache(
@@ -141,3 +231,63 @@ def test_negative_control_without_the_fp8_rounding(
         ref = oracle.logprobs_along(prompt, got)
         worst = max(worst, (torch.tensor(token_logprobs(out)) - ref).abs().max().item())
     assert worst > LOGPROB_ATOL, f"without the cache's rounding the reference still agrees: {worst}"
+
+
+def test_long_context_logprobs_match_the_fp8_indexer_reference(
+    v4_model: Path, served_all: Served
+) -> None:
+    diff = _long_diff(v4_model, served_all)
+    assert diff <= LONG_ATOL, f"prompt len {LONG_PROMPT}: logprob diff {diff}"
+
+
+def test_long_context_negative_control_selecting_everything(
+    v4_model: Path, served_all: Served
+) -> None:
+    diff = _long_diff(v4_model, served_all, select_all=True)
+    assert diff > LONG_ATOL, f"the reference selecting every entry still agrees: {diff}"
+
+
+def _overlap(got: torch.Tensor, want: torch.Tensor) -> float:
+    g = {int(x) for x in got if x >= 0}
+    return len(g & {int(x) for x in want if x >= 0}) / INDEX_TOPK
+
+
+def test_long_context_selections_match_the_fp8_indexer_reference(
+    v4_model: Path, served_all: Served
+) -> None:
+    """Per CSA layer: the prefill's rows past ``index_topk`` entries, and the decode steps'
+    tokens, select on average (nearly) the reference's entries; the first 512 entries do not."""
+    prompts, outs, picks = served_all
+    oracle = V4Oracle(v4_model)
+    ref: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Any:
+        def hook(_m: Any, _i: Any, out: torch.Tensor) -> None:
+            ref[name] = out[0]  # [S, 512] the selected entries of each position
+
+        return hook
+
+    for name, module in oracle.model.named_modules():
+        if name.endswith("compressor.indexer"):
+            module.register_forward_hook(keep(name))
+    tokens = list(outs[-1].outputs[0].token_ids)
+    with torch.no_grad():
+        oracle.model(torch.tensor([prompts[-1] + tokens]), use_cache=True)
+    layers = sorted(ref)
+    assert len(layers) == 2 and len(picks) == len(layers) * MAX_NEW  # one call per layer, step
+    long_rows = range(INDEX_TOPK * 4, LONG_PROMPT)  # positions seeing more than 512 entries
+    for i, layer in enumerate(layers):
+        want = ref[layer]
+        key_lens, sel = picks[i]  # the prefill: row = position
+        assert all(int(key_lens[p]) == (p + 1) // 4 for p in long_rows)
+        prefill = [_overlap(sel[p], want[p]) for p in long_rows]
+        decode = []
+        for step in range(1, MAX_NEW):  # decode step s: one row, position LONG_PROMPT - 1 + s
+            key_lens, sel = picks[step * len(layers) + i]
+            p = LONG_PROMPT - 1 + step
+            assert key_lens.tolist() == [(p + 1) // 4]
+            decode.append(_overlap(sel[0], want[p]))
+        for shares in (prefill, decode):
+            assert statistics.mean(shares) >= MIN_OVERLAP, (layer, statistics.mean(shares))
+        control = [_overlap(torch.arange(INDEX_TOPK), want[p]) for p in long_rows]
+        assert statistics.mean(control) < MIN_OVERLAP, statistics.mean(control)

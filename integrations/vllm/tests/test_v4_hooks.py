@@ -78,3 +78,65 @@ def test_ops_supplied_only_where_absent_unless_serving_all() -> None:
     assert hasattr(torch.ops._C, existing)
     before = compat.supply_v4_cpu_ops({existing: ("unused", lambda *a: None)})
     assert before == []  # present: left alone
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prepare_uniform_decode(seed: int) -> None:
+    """``PrepareUniformDecodeKernel``: program i, request i // max_decode_len."""
+    rng = random.Random(seed)
+    B, n_dec = rng.randint(1, 4), rng.choice([1, 2, 3])
+    seq = torch.tensor([rng.randint(0, 30) for _ in range(B)], dtype=torch.int32)
+    table = torch.randint(0, 99, (B, 5), dtype=torch.int32)
+    n = B * n_dec
+    dsl = torch.full((n + 2,), -7, dtype=torch.int32)
+    ebt = torch.full((n + 2, 5), -7, dtype=torch.int32)
+    dl = torch.full((n + 2,), -7, dtype=torch.int32)
+    compat._prepare_uniform_decode(seq, dsl, table, ebt, dl, n, n_dec)
+    for i in range(n):
+        r, j = i // n_dec, i % n_dec
+        assert int(dsl[i]) == max(int(seq[r]) - n_dec + j + 1, 0)
+        assert ebt[i].tolist() == table[r].tolist() and int(dl[i]) == 1
+    assert dsl[n:].tolist() == [-7, -7] and dl[n:].tolist() == [-7, -7]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("ratio", "dcp", "rank", "inter"), [(4, 1, 0, 1), (1, 1, 0, 1),
+                                                             (4, 2, 1, 1), (4, 2, 0, 8)])
+def test_build_prefill_chunk_metadata(seed: int, ratio: int, dcp: int, rank: int,
+                                      inter: int) -> None:  # fmt: skip
+    """``BuildPrefillChunkMetadataKernel``: program b over its query tokens inside the query
+    slice, then its compressed keys."""
+    rng = random.Random(seed)
+    B = rng.randint(1, 4)
+    qsl, seq = _batch(rng, B)
+    T = int(qsl[-1])
+    comp = seq // ratio
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = comp.cumsum(0)
+    row_start = cu.clone() if dcp == 1 else torch.tensor(
+        [0] + sorted(rng.sample(range(1, 60), B)), dtype=torch.int32
+    )  # fmt: skip
+    qs0 = rng.randint(0, max(T - 1, 0))
+    qs1 = rng.randint(qs0, T)
+    ks = torch.full((qs1 - qs0 + 1,), -7, dtype=torch.int32)
+    ke = ks.clone()
+    t2s = torch.full((int(cu[-1]) + 1,), -7, dtype=torch.int32)
+    compat._build_prefill_chunk_metadata(qsl, seq, cu, row_start, t2s, ks, ke, qs0, qs1, rank,
+                                         dcp, inter, num_reqs=B, COMPRESS_RATIO=ratio)  # fmt: skip
+    want_ks, want_ke, want_t2s = [-7] * len(ks), [-7] * len(ke), [-7] * len(t2s)
+    for b in range(B):
+        qs, qe = int(qsl[b]), int(qsl[b + 1])
+        start_pos = int(seq[b]) - (qe - qs)
+        for off in range(qe - qs):
+            pos = qs + off
+            if not qs0 <= pos < qs1:
+                continue
+            n = (start_pos + 1 + off) // ratio
+            if dcp > 1:
+                base = n // inter // dcp * inter
+                n = base + min(max(n - base * dcp - rank * inter, 0), inter)
+            want_ks[pos - qs0] = int(row_start[b])
+            want_ke[pos - qs0] = int(row_start[b]) + n
+        for c in range(int(comp[b])):
+            want_t2s[int(cu[b]) + c] = b
+    assert ks.tolist() == want_ks and ke.tolist() == want_ke and t2s.tolist() == want_t2s
