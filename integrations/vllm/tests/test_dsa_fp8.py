@@ -51,7 +51,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_llm, random_prompts, shutdown
-from dsa_reference import DSAOracle
+from mla_backend_integrations._testing.dsa_reference import DSAOracle
 
 from mla_backend.testing.tiny_model import DSA_PRESETS, make_tiny_dsa
 
