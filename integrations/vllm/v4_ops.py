@@ -325,7 +325,7 @@ def topk_transform_512_cpu(
     if S:
         topk_rows(scores, seq_lens, K, out=raw)
         picked = scores.gather(1, raw.clamp(min=0).long())
-        ranked = (seq_lens.long() > K)[:, None]  # rows whose keys do not all fit
+        ranked = (seq_lens.long().clamp(max=S) > K)[:, None]  # rows whose keys do not all fit
         dropped = ranked & (torch.isnan(picked) | (picked == float("-inf")))
         raw = torch.where(dropped, -1, raw)
     key = raw.long().clamp(min=0)
