@@ -70,10 +70,7 @@ def v4_cache_rounding(x: torch.Tensor) -> torch.Tensor:
     tiles of 64 with a power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (vLLM's
     ``quantize_and_insert_k_kernel``), the last 64 in bf16."""
     b = x.to(torch.bfloat16).float()
-    nope = b[..., :NOPE].reshape(*b.shape[:-1], NOPE // TILE, TILE)
-    amax = nope.abs().amax(-1, keepdim=True).clamp(min=1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
-    q = (nope / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    q = _e4m3_pow2(b[..., :NOPE].reshape(*b.shape[:-1], NOPE // TILE, TILE))
     return torch.cat([q.reshape(*b.shape[:-1], NOPE), b[..., NOPE:]], -1).to(x.dtype)
 
 
@@ -82,7 +79,7 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def _e4m3_pow2(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 128] in e4m3 with one power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448))
+    """x [..., n] in e4m3 with one power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448))
     per row, back in x's dtype."""
     amax = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-4)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
