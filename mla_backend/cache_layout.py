@@ -133,6 +133,17 @@ class CacheLayout:
         """Stored values times one per-tensor ``kv_scale`` (``fp8``)."""
         return self.kind == "fp8"
 
+    def check_query_dtype(self, query_dtype: torch.dtype) -> None:
+        """Attention reads a plain cache in the queries' dtype (fp8 caches are widened to any):
+        ``ValueError`` naming both where a plain cache holds another dtype. Engines call it at
+        start-up with the model's dtype; every attention entry point with its queries'."""
+        if self.kind == "plain" and self.dtype != query_dtype:
+            raise ValueError(
+                f"a {self.dtype} latent cache with {query_dtype} queries is not supported: a "
+                "plain cache holds the model's dtype (kv cache dtype 'auto'); fp8 caches "
+                "(fp8, fp8_ds_mla) serve any model dtype"
+            )
+
     @property
     def storage_dtype(self) -> torch.dtype:
         """The dtype rows are copied as (1-byte kinds as raw bytes)."""

@@ -172,6 +172,7 @@ def check_step(
     layout = check_cache(
         kv_cache, latent_dim - q_pe.shape[-1], q_pe.shape[-1], kv_scale, q_a.dtype
     )
+    layout.check_query_dtype(q_a.dtype)
     if kv_cache.shape[1] != plan.page_size:
         raise ValueError(
             f"kv_cache page size {kv_cache.shape[1]} != the plan's page_size {plan.page_size}"

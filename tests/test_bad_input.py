@@ -259,6 +259,33 @@ def test_softmax_scale_is_checked(kernels: object, scale, error: type) -> None:
             mb.MLAAttention(DIMS, c.weights, scale)
 
 
+@pytest.mark.parametrize(
+    ("cache_dtype", "q_dtype"),
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+     (torch.float16, torch.bfloat16)],
+)  # fmt: skip
+def test_a_plain_cache_of_another_dtype_than_the_queries_is_refused(
+    kernels: object, cache_dtype: torch.dtype, q_dtype: torch.dtype
+) -> None:
+    """Every implementation refuses it at the entry point naming both dtypes (the native
+    kernels refused it, the torch path computed in the queries' dtype): engines check the
+    same rule at start-up."""
+    d = make_dsa_case(DIMS, INDEXER, [3], [2], 4, seed=3, impl="torch")
+    c = d.case
+    plan = d.plan(impl=kernels)
+    cache = c.kv_cache.to(cache_dtype)
+    q_lat = torch.randn(2, DIMS.num_heads, DIMS.kv_lora_rank).to(q_dtype)
+    q_pe, q_nope = c.q_pe.to(q_dtype), c.q_nope.to(q_dtype)
+    named = f"{cache_dtype} latent cache with {q_dtype} queries"
+    with pytest.raises(ValueError, match=named):
+        mb.absorbed_attention(q_lat, q_pe, cache, plan, SCALE)
+    with pytest.raises(ValueError, match=named):
+        mb.sparse_absorbed_attention(q_lat, q_pe, cache, plan,
+                                     torch.zeros(2, 1, dtype=torch.int32), SCALE)  # fmt: skip
+    with pytest.raises(ValueError, match=named):
+        mb.normal_attention(q_nope, q_pe, cache, plan, c.weights, SCALE)
+
+
 # ---- found by the fuzzer: a per-tensor fp8 scale that is not finite and > 0 ------------------
 @pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
 def test_a_bad_kv_scale_is_refused(kernels: object, value: float) -> None:

@@ -139,6 +139,13 @@ class MLAAbsorbBackend(AttentionBackend):
             self.layout = CacheLayout.ds_mla(r, rope, model_dtype)
         else:
             self.layout = CacheLayout.for_dtype(self.kv_cache_dtype, r, rope, model_dtype)
+        try:
+            self.layout.check_query_dtype(model_dtype)
+        except ValueError as e:
+            _fail(
+                f"--kv-cache-dtype {getattr(model_runner, 'kv_cache_dtype_str', '?')} with "
+                f"--dtype {self.data_type}: {e}"
+            )
         pool_dim = getattr(self.token_to_kv_pool, "kv_cache_dim", None)
         if pool_dim != self.layout.width:
             _fail(

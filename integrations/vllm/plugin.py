@@ -159,13 +159,27 @@ def validate_engine_config(vllm_config: Any) -> None:
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     # every cache layout of the core, as the backend's SUPPORTED_KV_CACHE_DTYPES (the backend
     # imports this module: importing it here would be a cycle)
-    from mla_backend.cache_layout import ENGINE_NAMES
+    from mla_backend.cache_layout import ENGINE_NAMES, CacheLayout
 
     if cache_dtype not in ENGINE_NAMES:
         raise ValueError(
             f"attention backend {BACKEND_NAME} does not support kv_cache_dtype={cache_dtype!r}; "
             f"supported: {', '.join(ENGINE_NAMES)}"
         )
+    import torch
+
+    model_dtype = getattr(model_config, "dtype", None)
+    if isinstance(model_dtype, torch.dtype):
+        layout = CacheLayout.named(
+            cache_dtype, int(hf.kv_lora_rank), int(hf.qk_rope_head_dim), model_dtype
+        )
+        try:
+            layout.check_query_dtype(model_dtype)
+        except ValueError as e:
+            raise ValueError(
+                f"attention backend {BACKEND_NAME}: kv_cache_dtype={cache_dtype!r} with "
+                f"dtype={model_dtype}: {e}"
+            ) from None
     check_context_parallel(vllm_config)
 
 

@@ -291,6 +291,16 @@ def test_startup_rejects_unsupported_kv_dtype():
         MLAAbsorbBackend(_runner(kv_cache_dtype=torch.float8_e5m2, kv_cache_dtype_str="fp8_e5m2"))
 
 
+def test_startup_rejects_a_plain_cache_of_another_dtype():
+    """--dtype float32 with --kv-cache-dtype bfloat16: the attention reads a plain cache in the
+    model's dtype, so start-up refuses it naming both (it failed at the first forward)."""
+    with pytest.raises(ValueError, match="bfloat16 latent cache with torch.float32 queries"):
+        MLAAbsorbBackend(_runner(dtype=torch.float32, kv_cache_dtype=torch.bfloat16,
+                                 kv_cache_dtype_str="bfloat16"))  # fmt: skip
+    MLAAbsorbBackend(_runner(dtype=torch.float32, kv_cache_dtype=torch.float32))
+    MLAAbsorbBackend(_runner(dtype=torch.float32, kv_cache_dtype=torch.float8_e4m3fn))
+
+
 def test_startup_rejects_non_mla_model():
     with pytest.raises(ValueError, match="does not use MLA"):
         MLAAbsorbBackend(_runner(use_mla_backend=False))

@@ -146,6 +146,7 @@ def _fake_config(**model_kw) -> SimpleNamespace:
         get_sliding_window=lambda: model_kw.get("window"),
         hf_text_config=hf,
         max_model_len=model_kw.get("max_model_len", 1024),
+        dtype=model_kw.get("dtype"),
     )
     return SimpleNamespace(
         model_config=model,
@@ -189,6 +190,23 @@ def test_unsupported_settings_are_named(kw: dict, named: str) -> None:
     plugin.validate_engine_config(_fake_config())  # the supported cases pass
     plugin.validate_engine_config(_fake_config(hf=DSA_HF))
     plugin.validate_engine_config(_fake_config(hf={**DSA_HF, "index_head_dim": 256}))
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16", "float16", "fp8", "fp8_ds_mla"])
+def test_plain_cache_of_another_dtype_is_refused_at_startup(model_dtype, cache_dtype) -> None:
+    """A plain cache is read in the model's dtype (the attention ops refuse a plain cache of
+    another dtype at the first forward): a named plain dtype other than the model's is refused
+    at start-up naming both, while 'auto' and the fp8 layouts serve every model dtype."""
+    hf = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    cfg = _fake_config(hf=hf, dtype=model_dtype, cache_dtype=cache_dtype)
+    named = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cache_dtype)
+    if named is not None and named != model_dtype:
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='{cache_dtype}' with "
+                                             f"dtype={model_dtype}"):  # fmt: skip
+            plugin.validate_engine_config(cfg)
+    else:
+        plugin.validate_engine_config(cfg)
 
 
 #: a DeepSeek-V4 model's config fields (its attention dims, the tiny checkpoint's schedule)
