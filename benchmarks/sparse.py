@@ -11,7 +11,8 @@ interleaved rounds as the roofline probes (``benchmarks/roofline.py``). The inde
 share of min(the level's compute ceiling, intensity x bandwidth) with 2 x 64 x 128 FLOPs and 132
 bytes per cached token per query token. Targets (issue 27): the sparse attention flat in kv
 beyond topk; the indexer >= 60% of its roof; indexer + sparse >= 5x dense at 64K, 128 heads.
-Writes ``sparse-latest.md`` (and the history).
+``--prefill``: the indexer's top-k over a fresh prompt (each token's causal keys) at 8 and 64
+index heads, with the same roof. Writes ``sparse-latest.md`` (and the history).
 """
 
 from __future__ import annotations
@@ -77,6 +78,29 @@ def run_shape(H: int, B: int, L: int, topk: int, isa: str, rounds: int, min_time
     return {"times": times, "probes": roof.take(times)}
 
 
+def run_prefill(T: int, index_heads: int, topk: int, isa: str, rounds: int, min_time: float,
+                roof: roofline.Roofline) -> dict[str, object]:  # fmt: skip
+    """The indexer's top-k of a fresh T-token prefill (each token over its causal keys) with
+    ``index_heads`` heads, timed with the roofline probes."""
+    g = torch.Generator().manual_seed(T + index_heads)
+    pages = -(-T // PAGE)
+    table = torch.randperm(pages, generator=g).view(1, pages).int()
+    index_cache = index_cache_for(table, pages, T)
+    q_I = (torch.randn(T, index_heads, DI, generator=g) * 16).to(torch.float8_e4m3fn)
+    weights = torch.randn(T, index_heads, generator=g) / index_heads
+    batch = mb.MLABatch.build([0], [T], table, PAGE, mb.Phase.EXTEND, block_table_host=table)
+    plan = mb.plan(batch, mb.MLADims(1, R, 128, ROPE, 128), mb.Policy("absorb"),
+                   impl=harness.native_kernels(isa),
+                   indexer=mb.IndexerDims(index_heads, DI, topk))  # fmt: skip
+    fns: dict[str, Callable[[], object]] = {
+        "indexer": lambda: mb.indexer_topk(q_I, weights, index_cache, plan, topk)
+    }
+    fns.update(roof.probes())
+    times = harness.interleaved(fns, rounds, min_time, each_round=roof.sample)
+    return {"times": times, "flops": 2.0 * index_heads * DI * T * (T + 1) / 2,
+            "bytes": float(INDEX_BYTES * T)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks sparse",
                                  description=__doc__.split("\n\n")[0])  # fmt: skip
@@ -84,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--lens", default="4096,16384,65536")
     ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--prefill", default="4096",
+                    help="fresh prefill lengths for the prefill indexer's table ('' for none)")
+    ap.add_argument("--prefill-index-heads", default="8,64",
+                    help="index heads of the prefill table (8: the tiny models; 64: V3.2's)")
     ap.add_argument("--isa", default=None, help="native ISA level (default: the selected one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-time", type=float, default=0.1)
@@ -105,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                 t = res["times"]
                 ms = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items())
                 print(f"H{H} B{B} L{L}: {ms}", flush=True)
+    prefills = []
+    for T in (int(x) for x in args.prefill.split(",") if x):
+        for Hi in (int(x) for x in args.prefill_index_heads.split(",") if x):
+            res = run_prefill(T, Hi, args.topk, isa, args.rounds, args.min_time, roof)
+            prefills.append(((T, Hi), res))
+            print(f"prefill T{T} Hi{Hi}: indexer {res['times']['indexer'] * 1e3:.1f} ms",
+                  flush=True)  # fmt: skip
     (ceil, ceil_src), (bw, bw_src) = roof.ceiling(isa), roof.bw()
     header = ["H", "batch", "kv", "dense ms", "indexer ms (roof)", "sparse ms",
               "indexer + sparse ms", "dense / (indexer + sparse)", "shape's GEMM TF/s",
@@ -138,6 +173,21 @@ def main(argv: list[str] | None = None) -> int:
         "targets: sparse flat in kv beyond topk; indexer >= 60% of its roof; "
         "dense / (indexer + sparse) >= 5x at kv 65536, 128 heads",
     ]
+    body = harness.table(header, rows)
+    if prefills:
+        prow = []
+        for (T, Hi), res in prefills:
+            t = res["times"]["indexer"]
+            share = roofline.roof_fraction(res["flops"], res["bytes"], t, ceil, bw)
+            prow.append([str(T), str(Hi), f"{t * 1e3:.1f} ({roofline.roof_cell(share)})",
+                         f"{res['flops'] / t / 1e9:.1f}"])  # fmt: skip
+        notes.append(
+            f"prefill: mb.indexer_topk (top-{args.topk}) of one fresh prompt, every token over "
+            f"its causal keys: 2 x Hi x {DI} FLOPs per token and visible key, the keys read once"
+        )
+        body += "\n\n" + harness.table(
+            ["prefill tokens", "index heads", "indexer ms (roof)", "GFLOP/s"], prow
+        )
     harness.write_result("sparse", "DSA decode: indexer + sparse attention vs dense absorbed",
-                         notes, harness.table(header, rows))  # fmt: skip
+                         notes, body)  # fmt: skip
     return 0

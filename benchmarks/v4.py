@@ -10,6 +10,10 @@ indexer 64 heads x 128 over vLLM's fp8 index cache (132 bytes per compressed key
 new token, pages of 64 shuffled. Per decode token: attention over K keys = 2 x H x K x (512 +
 512) FLOPs and K x 1024 bytes; the indexer 2 x 64 x 128 FLOPs and 132 bytes per compressed key.
 
+With ``--prefill``, the CSA indexer's logits over a prefill chunk's rows as vLLM's paged op
+passes them (a row per token): the rows planned as one request, as ``indexer_logits_rows``
+does, vs a one-token request per row.
+
 vLLM's own V4 CPU ops (``flash_mla_with_kvcache_cpu``, ``fp8_paged_mqa_logits_cpu``) are the
 issue's peer; they exist only in vLLM's AVX512-BF16 build and read only the 584-byte fp8 row,
 which the core does not write yet: the table says whether they are present and does not time
@@ -24,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 import mla_backend as mb
+from mla_backend.indexer_rows import indexer_logits_rows
 
 from . import harness, roofline
 
@@ -99,12 +104,55 @@ def run_shape(H: int, L: int, kind: str, isa: str, rounds: int, min_time: float,
     return {"times": times, "keys": keys, "entries": L // ratio if ratio else 0}
 
 
+def run_prefill(T: int, isa: str, rounds: int, min_time: float,
+                roof: roofline.Roofline) -> dict[str, object]:  # fmt: skip
+    """The CSA indexer's logits over the rows of a T-token prefill chunk (onto a prefix of
+    ratio - 1 tokens, so every row sees a key) as vLLM's ops pass them, one row per token with
+    its request's page-table row and its count of compressed keys: ``indexer_logits_rows``
+    (which plans the chunk's rows as one request) vs the same rows planned as one-token
+    requests each."""
+    g = torch.Generator().manual_seed(T)
+    ratio = KINDS["csa"]
+    pos = torch.arange(ratio - 1, ratio - 1 + T)
+    lens = ((pos + 1) // ratio).int()
+    n = int(lens[-1])
+    layout = mb.IndexCacheLayout.named("fp8", DI, scale_fmt="ue8m0")
+    pages = -(-n // PAGE)
+    table = torch.randperm(pages, generator=g).view(1, pages).int()
+    icache = torch.zeros(pages, PAGE, layout.width, dtype=torch.uint8)
+    slots = table[0, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE
+    mb.write_index_keys(icache, torch.randn(n, DI, generator=g).bfloat16(), slots, layout,
+                        impl="torch")  # fmt: skip
+    rows_table = table.expand(T, -1).contiguous()
+    q_I = (torch.randn(T, HI, DI, generator=g) * 16).to(torch.float8_e4m3fn)
+    weights = torch.randn(T, HI, generator=g) / HI
+    kern = harness.native_kernels(isa)
+
+    def one_each() -> torch.Tensor:  # what indexer_logits_rows did before it grouped rows
+        single = mb.MLABatch.build((lens - 1).tolist(), [1] * T, rows_table, PAGE,
+                                   mb.Phase.DECODE, block_table_host=rows_table)  # fmt: skip
+        step = mb.plan(single, mb.v4_dims(1), mb.Policy("absorb"), impl=kern,
+                       indexer=mb.IndexerDims(HI, DI, 1))  # fmt: skip
+        return mb.indexer_logits(q_I, weights, icache, step, layout)
+
+    fns: dict[str, Callable[[], object]] = {
+        "rows": lambda: indexer_logits_rows(q_I, weights, icache, lens, rows_table, layout, n,
+                                            impl=kern),  # fmt: skip
+        "one_each": one_each,
+    }
+    fns.update(roof.probes())
+    times = harness.interleaved(fns, rounds, min_time, each_round=roof.sample)
+    return {"times": times, "flops": 2.0 * HI * DI * float(lens.sum()), "bytes": INDEX_BYTES * n}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks v4",
                                  description=__doc__.split("\n\n")[0])  # fmt: skip
     ap.add_argument("--heads", default="64,128")
     ap.add_argument("--lens", default="8192,32768,131072")
     ap.add_argument("--kinds", default="sliding,csa,hca")
+    ap.add_argument("--prefill", default="1024,4096",
+                    help="prefill chunk lengths for the CSA indexer's rows ('' for none)")
     ap.add_argument("--isa", default=None, help="native ISA level (default: the selected one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-time", type=float, default=0.05)
@@ -123,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                 ms = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in res["times"].items()
                                if k in ("attention", "indexer"))  # fmt: skip
                 print(f"H{H} L{L} {kind}: {ms}", flush=True)
+    prefills = []
+    for T in (int(x) for x in args.prefill.split(",") if x):
+        prefills.append((T, run_prefill(T, isa, args.rounds, args.min_time, roof)))
+        t = prefills[-1][1]["times"]
+        print(f"prefill {T}: rows {t['rows'] * 1e3:.1f} ms, one each "
+              f"{t['one_each'] * 1e3:.1f} ms", flush=True)  # fmt: skip
     (ceil, ceil_src), (bw, bw_src) = roof.ceiling(isa), roof.bw()
     header = ["H", "context", "layer", "keys attended", "attention ms (roof)",
               "indexer ms (roof)", "attention + indexer ms"]  # fmt: skip
@@ -162,6 +216,28 @@ def main(argv: list[str] | None = None) -> int:
         "targets (issue 34): >= 1.5x vLLM's own V4 CPU ops on AVX512-BF16; >= 60% of the in-run "
         "roofline at 32K+",
     ]
+    body = harness.table(header, rows)
+    if prefills:
+        prow = []
+        for T, res in prefills:
+            t = res["times"]
+            cells = [str(T)]
+            for k in ("rows", "one_each"):
+                share = roofline.roof_fraction(res["flops"], res["bytes"], t[k], ceil, bw)
+                cells.append(f"{t[k] * 1e3:.1f} ({roofline.roof_cell(share)})")
+            cells.append(f"{t['one_each'] / t['rows']:.2f}x")
+            prow.append(cells)
+        notes.append(
+            "prefill: the CSA indexer's logits over a chunk's rows as vLLM's "
+            "fp8_paged_mqa_logits passes them (one row per token: its page-table row and "
+            "(pos + 1) // 4 keys; the chunk onto a 3-token prefix): mb.indexer_logits_rows, "
+            "which plans the chunk's rows as one request, vs one one-token request per row (each "
+            "call building its batch and plan, as indexer_logits_rows did); "
+            f"roof: {2 * HI * DI} FLOPs per row and key, the keys read once"
+        )
+        body += "\n\n" + harness.table(
+            ["prefill tokens", "rows as one request ms (roof)", "a request per row ms (roof)",
+             "speed-up"], prow)  # fmt: skip
     harness.write_result("v4", "DeepSeek-V4 attention decode per layer kind (core, native)",
-                         notes, harness.table(header, rows))  # fmt: skip
+                         notes, body)  # fmt: skip
     return 0

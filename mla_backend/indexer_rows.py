@@ -4,11 +4,15 @@ row: the contract of engines' paged indexer ops (vLLM's ``fp8_paged_mqa_logits``
 keys ``0 .. key_lens[b] - 1`` through ``page_table[b]``). DeepSeek-V4's CSA indexer calls it
 over its compressed keys (``key_lens`` = ``(pos + 1) // 4``).
 
-Each row is planned as a request of one query token whose context is its keys, so the logits
-come from the plan's kernels (:func:`mla_backend.indexer_logits`: native at every ISA level,
-Triton, torch) and the top-k follows the core's rule (:mod:`mla_backend.sparse`): larger logit
-first, a tie to the lower key, a NaN below every number; the ``min(topk, key_lens[b])`` best
-in ascending key order, then -1.
+The rows are planned as requests, so the logits come from the plan's kernels
+(:func:`mla_backend.indexer_logits`: native at every ISA level, Triton, torch) and the top-k
+follows the core's rule (:mod:`mla_backend.sparse`): larger logit first, a tie to the lower
+key, a NaN below every number; the ``min(topk, key_lens[b])`` best in ascending key order,
+then -1. A prefill's rows (consecutive rows of one block-table row whose key counts grow as
+``(p + 1) // m`` over consecutive positions ``p``: vLLM's prefill chunk, one row per token) are
+one request of as many query tokens at compress ratio ``m``, so its kernels read each key once
+per block of tokens (a GEMM) rather than once per token; any other row is a request of one
+token whose context is its keys.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from .policy import Policy
 from .sparse import indexer_logits
 from .v4_layer import v4_dims
 
-__all__ = ["indexer_logits_rows", "topk_rows"]
+__all__ = ["group_rows", "indexer_logits_rows", "topk_rows"]
 
 
 def _key_lens(key_lens: torch.Tensor, B: int) -> list[int]:
@@ -40,6 +44,66 @@ def _key_lens(key_lens: torch.Tensor, B: int) -> list[int]:
     if bad:
         raise ValueError(f"key_lens holds negative lengths {bad[:4]}")
     return lens
+
+
+def _first_position(lens: list[int], m: int) -> int | None:
+    """The position p0 such that the row j of ``lens`` sees ``(p0 + j + 1) // m`` keys, every
+    row a key or more (None where no p0 does)."""
+    l0 = lens[0]
+    up = next((j for j, n in enumerate(lens) if n != l0), None)  # the first row seeing more
+    p0 = m * l0 - 1 if up is None else m * (l0 + 1) - up - 1
+    if p0 < 0 or any((p0 + j + 1) // m != n for j, n in enumerate(lens)):
+        return None
+    return p0
+
+
+def group_rows(
+    lens: list[int], table: torch.Tensor, page: int
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """The requests the rows are planned as: ``(ratio, [(j0, j1, p0), ...])``, rows ``j0 ..
+    j1 - 1`` one request at compress ratio ``ratio`` whose tokens sit at positions ``p0 ..``
+    (row j0 + j sees ``(p0 + j + 1) // ratio`` keys, ``lens[j0 + j]``).
+
+    Runs are consecutive rows (each seeing a key or more) of one ``table`` row (CPU [rows,
+    max_pages]) whose key counts grow by at most one a row. The ratio is the one the runs
+    show (the rows between two increments; else the longest run's length, which fits every
+    run with one increment or none). A request's tokens stay on the pages its keys use (a
+    page of ``page`` keys is ``page x ratio`` tokens; a table's further entries may be stale),
+    so the last rows of a run whose positions pass them, and every row of a run that does not
+    fit the ratio, are one-row requests (p0 = ratio x its keys - 1: any ratio fits one row)."""
+    n = len(lens)
+    same = (table[1:] == table[:-1]).all(dim=1).tolist() if n > 1 else []
+    runs, j0 = [], 0
+    for j in range(1, n + 1):
+        if j == n or not same[j - 1] or not 0 <= lens[j] - lens[j - 1] <= 1:
+            runs.append((j0, j))
+            j0 = j
+    ratio = None
+    for a, b in runs:
+        ups = [j for j in range(a + 1, b) if lens[j] != lens[j - 1]]
+        if len(ups) >= 2:
+            ratio = ups[1] - ups[0]
+            break
+    if ratio is None:
+        ratio = max(b - a for a, b in runs)
+
+    def on_key_pages(tokens: int, keys: int) -> bool:
+        return -(-tokens // (page * ratio)) <= -(-keys // page)
+
+    reqs = []
+    for a, b in runs:
+        p0 = _first_position(lens[a:b], ratio) if b - a > 1 else None
+        end = a
+        if p0 is not None:
+            end = b
+            while end - a > 1 and not on_key_pages(p0 + end - a, lens[end - 1]):
+                end -= 1
+            if end - a > 1:
+                reqs.append((a, end, p0))
+            else:
+                end = a
+        reqs += [(j, j + 1, ratio * lens[j] - 1) for j in range(end, b)]
+    return ratio, reqs
 
 
 def indexer_logits_rows(
@@ -79,13 +143,18 @@ def indexer_logits_rows(
     if not rows:
         return out
     sel = torch.tensor(rows, device=q_I.device)
-    table = page_table.index_select(0, sel.to(page_table.device))
-    table_host = None if table.device.type == "cpu" else table.cpu()
-    prefix = [lens[b] - 1 for b in rows]
-    batch = MLABatch.build(prefix, [1] * len(rows), table, index_cache.shape[1], Phase.DECODE,
-                           block_table_host=table_host)  # fmt: skip
+    rows_table = page_table.index_select(0, sel.to(page_table.device))
+    host = rows_table if rows_table.device.type == "cpu" else rows_table.cpu()
+    page = index_cache.shape[1]
+    ratio, reqs = group_rows([lens[b] for b in rows], host, page)
+    firsts = torch.tensor([j0 for j0, _, _ in reqs])
+    table = rows_table.index_select(0, firsts.to(rows_table.device))
+    table_host = None if table.device.type == "cpu" else host.index_select(0, firsts)
+    phase = Phase.DECODE if len(reqs) == len(rows) else Phase.EXTEND
+    batch = MLABatch.build([p0 for _, _, p0 in reqs], [j1 - j0 for j0, j1, _ in reqs], table,
+                           page * ratio, phase, block_table_host=table_host)  # fmt: skip
     step = plan(batch, v4_dims(1), Policy("absorb"), device=q_I.device, impl=impl,
-                indexer=IndexerDims(Hi, Di, 1))  # fmt: skip
+                indexer=IndexerDims(Hi, Di, 1, ratio))  # fmt: skip
     lg = indexer_logits(q_I.index_select(0, sel), weights.index_select(0, sel), index_cache,
                         step, layout)  # fmt: skip
     out[sel, : lg.shape[1]] = lg

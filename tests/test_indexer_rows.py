@@ -15,7 +15,7 @@ import torch
 
 import mla_backend as mb
 from mla_backend.index_cache import IndexCacheLayout
-from mla_backend.indexer_rows import indexer_logits_rows, topk_rows
+from mla_backend.indexer_rows import group_rows, indexer_logits_rows, topk_rows
 
 LAYOUT = IndexCacheLayout.named("fp8", 128, scale_fmt="ue8m0")
 
@@ -57,6 +57,82 @@ def test_logits_match_float64(kernels, page_size: int, q_dtype: torch.dtype) -> 
         want = (torch.relu(q[b].double() @ keys[slots].T) * w[b].double()[:, None]).sum(0)
         torch.testing.assert_close(got[b, :n].double(), want, rtol=1e-5, atol=1e-4)
         assert torch.isneginf(got[b, n:]).all()
+
+
+#: a page id no cache holds: the entries of a table row past its request's pages (stale in an
+#: engine's block table), never read
+STALE = 10**6
+
+
+def _prefill_rows(ratio: int, page_size: int, pages: int, g: torch.Generator):
+    """Rows as vLLM's prefill chunk gives them (one per token, each its request's page-table
+    row and ``(pos + 1) // ratio`` keys) for four requests (a fresh prompt, a chunk onto a
+    cached prefix, one ending just past a page of keys, a decode) plus a row that breaks its
+    run's pattern; each table row's entries past its request's pages are stale."""
+    lens, rows = [], []
+    for p0, n in [(0, 23), (37, 18), (50, 16), (60, 1)]:
+        row = torch.randperm(pages, generator=g)
+        row[-(-((p0 + n) // ratio) // page_size) :] = STALE
+        lens += [(p0 + j + 1) // ratio for j in range(n)]
+        rows += [row] * n
+    lens[30] += 2  # a row of the second request that no position of its run explains
+    return torch.tensor(lens, dtype=torch.int32), torch.stack(rows).int()
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_rows_match_float64(kernels, ratio: int, page_size: int) -> None:
+    """A prefill's rows go through one request per run (its keys read once per block of
+    tokens), the rest row by row: every row's logits as its own keys give them."""
+    g = torch.Generator().manual_seed(ratio * 100 + page_size)
+    pages, Hi = max(6, 96 // page_size), 4
+    cache = _pooled_cache(pages, page_size, g)
+    lens, table = _prefill_rows(ratio, page_size, pages, g)
+    B = lens.shape[0]
+    q = torch.randn(B, Hi, 128, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(B, Hi, generator=g)
+    width = int(lens.max()) + 3
+    got = indexer_logits_rows(q, w, cache, lens, table, LAYOUT, width, impl=kernels)
+    keys = _keys(cache)
+    for b in range(B):
+        n = int(lens[b])
+        slots = (table[b].long()[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
+        want = (torch.relu(q[b].double() @ keys[slots].T) * w[b].double()[:, None]).sum(0)
+        torch.testing.assert_close(got[b, :n].double(), want, rtol=1e-5, atol=1e-4)
+        assert torch.isneginf(got[b, n:]).all()
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4, 128])
+@pytest.mark.parametrize("seed", range(6))
+def test_group_rows_plans_each_row_as_it_sees(ratio: int, seed: int) -> None:
+    """Every request group_rows forms holds consecutive rows of one table row that see
+    ``(p0 + j + 1) // ratio`` keys within the row's pages, the requests cover the rows in
+    order, and a prefill's clean run is one request."""
+    g = torch.Generator().manual_seed(seed)
+    page, cols = 16, 8
+    lens, table, clean = [], [], []
+    for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+        row = torch.randint(0, 50, (cols,), generator=g)
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        p0 = ratio - 1 + int(torch.randint(0, 80, (1,), generator=g))  # within the pages
+        start = len(lens)
+        lens += [(p0 + j + 1) // ratio for j in range(n)]
+        table += [row] * n
+        clean.append((start, start + n))
+    if seed % 2:  # a row whose count no run explains (its run is split into single rows)
+        lens[len(lens) // 2] += 3
+        clean = []
+    got_ratio, reqs = group_rows(lens, torch.stack(table), page)
+    assert [j for a, b, _ in reqs for j in range(a, b)] == list(range(len(lens)))
+    for a, b, p0 in reqs:
+        assert all(torch.equal(table[j], table[a]) for j in range(a, b))
+        assert [(p0 + j + 1) // got_ratio for j in range(b - a)] == lens[a:b]
+        # the tokens stay on the pages of the keys (further table entries may be stale)
+        assert p0 >= 0 and -(-(p0 + b - a) // (page * got_ratio)) <= -(-lens[b - 1] // page)
+    for a, b in clean:
+        if b - a > 2 * ratio:  # two increments show the ratio: one request (less the rows
+            # past the keys' last page, at most ratio - 1)
+            assert any(x == a and b - ratio < y <= b for x, y, _ in reqs), (a, b, reqs)
 
 
 def _reference_topk(row: list[float], n: int, k: int) -> list[int]:

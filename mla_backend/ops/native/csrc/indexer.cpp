@@ -57,7 +57,15 @@ constexpr int kKeyRows = 32;
 #else
 constexpr int kKeyRows = 30;
 #endif
-constexpr int64_t kIdxMaxCols = 256;  // query columns (tokens x heads) per item, at least Hi
+// Query columns (tokens x heads) per item, at least Hi. On the fp32 FMA levels 64: the item's
+// packed queries (Di x 64 bf16 pairs, 16 KB at Di 128) stay in L1 beside the key panel and C
+// (on AVX2, 64 index heads: one token an item ran faster than four; 8 index heads: 8 tokens as
+// fast as 32). The bf16 dot-product and AMX levels keep 256 (not measured with fewer).
+#if defined(MLA_GEMM_BF16)
+constexpr int64_t kIdxMaxCols = 256;
+#else
+constexpr int64_t kIdxMaxCols = 64;
+#endif
 
 // Logits per item kept whole for a histogram selection when the item's tokens x keys fit here
 // (a decode step's splits, short prefills); larger items stream through TopK.
