@@ -41,6 +41,7 @@ TARGETS = (
     "write_latent",
     "absorbed_attention",
     "sparse_attention",
+    "keyset_attention",
     "indexer",
     "mha",
     "decompress",

@@ -19,7 +19,7 @@ import pytest
 from mla_backend.ops.native import host_isas
 from mla_backend.testing import fuzz_cores as fc
 
-SECONDS = 6  # per target and level: 7 targets x 2 levels, 2 at once: under a minute of runs
+SECONDS = 6  # per target and level: 8 targets x 2 levels, 2 at once: about a minute of runs
 LEVELS = host_isas() if platform.machine().lower() in ("x86_64", "amd64") else ()
 CASES = [(t, lvl) for lvl in LEVELS for t in fc.TARGETS]
 

@@ -245,11 +245,12 @@ struct LatentCall {
     return true;
   }
 
-  // Checks row (t, h) of out / lse against the fp64 attention over the cache rows at offs.
-  // Tolerances: lse 1e-3 absolute + 1e-5 relative (fp32 scores of exact products); out
+  // Checks row (t, h) of out / lse against the fp64 attention over the cache rows at offs
+  // (offsets from the cache's base), with an attention sink (a logit with no value; -inf:
+  // none). Tolerances: lse 1e-3 absolute + 1e-5 relative (fp32 scores of exact products); out
   // (q's dtype, fp32 sums; the bf16 engine rounds probabilities to bf16) 2 x the dtype's
   // rounding (bf16 1/256) of the largest |v| it averages, + 1e-5 of it.
-  void check_row(int64_t t, int64_t h, const std::vector<int64_t>& offs) const {
+  void check_row(int64_t t, int64_t h, const std::vector<int64_t>& offs, double sink = -INFINITY) const {
     const int64_t qes = dt_size(qdt), D = r + rope;
     std::vector<double> q(static_cast<size_t>(D)), o(static_cast<size_t>(r), 0.0);
     for (int64_t d = 0; d < r; ++d) q[d] = get(qlat.data() + (t * ql_s0 + h * ql_s1 + d) * qes, qdt);
@@ -257,7 +258,8 @@ struct LatentCall {
     const float got_lse = lse[t * H + h];
     const uint8_t* got = out.data() + (t * H + h) * r * qes;
     if (offs.empty()) {
-      FZ_CHECK(got_lse == -kInf, "row (%lld, %lld) has no keys: lse %g, expected -inf", (long long)t, (long long)h, got_lse);
+      FZ_CHECK(got_lse == static_cast<float>(sink), "row (%lld, %lld) has no keys: lse %g, expected the sink %g",
+               (long long)t, (long long)h, got_lse, sink);
       for (int64_t d = 0; d < r; ++d)
         FZ_CHECK(get(got + d * qes, qdt) == 0.0, "row (%lld, %lld) has no keys: out[%lld] != 0", (long long)t, (long long)h, (long long)d);
       return;
@@ -278,6 +280,12 @@ struct LatentCall {
       sum += p;
       const std::vector<double>& kv = decoded(offs[c]);
       for (int64_t d = 0; d < r; ++d) o[d] += p * kv[d];
+    }
+    if (sink > -INFINITY) {  // the sink's term, in the max's scale
+      const double top = std::max(mx, sink);
+      for (int64_t d = 0; d < r; ++d) o[d] *= std::exp(mx - top);
+      sum = sum * std::exp(mx - top) + std::exp(sink - top);
+      mx = top;
     }
     const double ref_lse = mx + std::log(sum);
     FZ_CHECK(std::fabs(got_lse - ref_lse) <= 1e-3 + 1e-5 * std::fabs(ref_lse),

@@ -188,7 +188,7 @@ void run_keyset_item(const Params& P, const KeySet& S, const KeySetTokens& tk, c
   for (int m = 0; m < rows_pad; ++m) {
     if (m < rows) {
       const int64_t h = it.row0 + m;
-      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.qpe + (t * P.qp_s0 + h * P.qp_s1));
+      E.load_q(m, P.qlat + (t * P.ql_s0 + h * P.ql_s1), P.rope ? P.qpe + (t * P.qp_s0 + h * P.qp_s1) : P.qpe);  // rope 0 (V4: value = key): q_pe may be null
       lim[m] = nv;  // every listed row is visible
     } else {
       E.zero_q(m);
