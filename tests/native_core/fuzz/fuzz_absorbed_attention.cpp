@@ -14,9 +14,7 @@ using namespace fz;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   Rng g(in.ConsumeIntegral<uint64_t>());
-  // engines: a subset of the build's (kEngineDefault), AMX only where the OS grants it
-  int engine = in.ConsumeIntegralInRange<int>(0, 3) & core::kEngineDefault;
-  if ((engine & core::kEngineAmx) && !core::amx_available()) engine &= ~core::kEngineAmx;
+  const int engine = fuzz_engines(in);
   const int64_t splits = in.ConsumeIntegralInRange<int>(0, 3) == 0 ? in.ConsumeIntegralInRange<int64_t>(1, 9) : 0;
   LatentCall c;
   c.make(in, g, true);

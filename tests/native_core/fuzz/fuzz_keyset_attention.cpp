@@ -17,34 +17,10 @@
 
 using namespace fz;
 
-namespace {
-
-// An index list [T, K] of entries below lens[req(t)] (-1, or malformed ones where mal).
-std::vector<int32_t> make_list(FuzzedDataProvider& in, Rng& g, const std::vector<int32_t>& req,
-                               const std::vector<int64_t>& lens, int64_t K, bool mal) {
-  const int64_t T = static_cast<int64_t>(req.size());
-  std::vector<int32_t> idx(static_cast<size_t>(T * K), -1);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t L = lens[req[t]];
-    for (int64_t k = 0; k < K; ++k) {
-      const int kind = in.ConsumeIntegralInRange<int>(0, 15);
-      int32_t& e = idx[t * K + k];
-      if (kind == 0) e = -1;
-      else if (mal && kind == 1) e = static_cast<int32_t>(in.ConsumeBool() ? L : -2);
-      else if (mal && kind == 2) e = in.ConsumeBool() ? INT32_MAX : INT32_MIN;
-      else if (L > 0) e = static_cast<int32_t>(g.range(0, std::min<int64_t>(L, INT32_MAX) - 1));
-    }
-  }
-  return idx;
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   Rng g(in.ConsumeIntegral<uint64_t>());
-  int engine = in.ConsumeIntegralInRange<int>(0, 3) & core::kEngineDefault;
-  if ((engine & core::kEngineAmx) && !core::amx_available()) engine &= ~core::kEngineAmx;
+  const int engine = fuzz_engines(in);
   const int64_t splits = in.ConsumeIntegralInRange<int>(0, 3) == 0 ? in.ConsumeIntegralInRange<int64_t>(1, 9) : 0;
   LatentCall c;
   c.make(in, g, in.ConsumeIntegralInRange<int>(0, 3) == 0);
@@ -78,7 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<int32_t> idx;
   if (in.ConsumeBool() && base_ok) {
     S.K = in.ConsumeIntegralInRange<int64_t>(0, 12);
-    idx = make_list(in, g, req, lens, S.K, mal);
+    idx = index_list(in, g, T, S.K, mal, [&](int64_t t) { return lens[req[t]]; });
     S.idx = idx.data(), S.idx_s0 = S.K;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < S.K; ++k) valid = valid && idx[t * S.K + k] >= -1 && idx[t * S.K + k] < lens[req[t]];
@@ -105,7 +81,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       l2[i] = std::clamp<int64_t>(len2[i], 0, width2 * c.ps);
     }
     S.K2 = in.ConsumeIntegralInRange<int64_t>(0, 8);
-    idx2 = make_list(in, g, req, l2, S.K2, mal);
+    idx2 = index_list(in, g, T, S.K2, mal, [&](int64_t t) { return l2[req[t]]; });
     idx2.reserve(1);  // a list of no columns is still a list: its table is checked
     S.idx2 = idx2.data(), S.idx2_s0 = S.K2, S.bt2 = bt2.data(), S.len2 = len2.data();
     S.cache2 = reinterpret_cast<const char*>(c.cache.data()), S.c2_s0 = c.c_s0, S.c2_s1 = c.c_s1;

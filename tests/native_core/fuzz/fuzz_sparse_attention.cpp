@@ -18,8 +18,7 @@ using namespace fz;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   Rng g(in.ConsumeIntegral<uint64_t>());
-  int engine = in.ConsumeIntegralInRange<int>(0, 3) & core::kEngineDefault;
-  if ((engine & core::kEngineAmx) && !core::amx_available()) engine &= ~core::kEngineAmx;
+  const int engine = fuzz_engines(in);
   LatentCall c;
   c.make(in, g, in.ConsumeIntegralInRange<int>(0, 3) == 0);
   const int64_t T = c.T;
@@ -35,19 +34,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       treq[t] = in.ConsumeBool() ? static_cast<int32_t>(in.ConsumeIntegralInRange<int64_t>(-1, c.B))
                                  : (in.ConsumeBool() ? INT32_MAX : INT32_MIN);
   }
-  std::vector<int32_t> idx(static_cast<size_t>(T * K), -1);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t req = treq[t];
-    const int64_t L = req >= 0 && req < c.B ? c.kvl[req] : 0;
-    for (int64_t k = 0; k < K; ++k) {
-      const int kind = in.ConsumeIntegralInRange<int>(0, 15);
-      int32_t& e = idx[t * K + k];
-      if (kind == 0) e = -1;
-      else if (mal && kind == 1) e = static_cast<int32_t>(in.ConsumeBool() ? L : -2);
-      else if (mal && kind == 2) e = in.ConsumeBool() ? INT32_MAX : INT32_MIN;
-      else if (L > 0) e = static_cast<int32_t>(g.range(0, std::min<int64_t>(L, INT32_MAX) - 1));
-    }
-  }
+  std::vector<int32_t> idx = index_list(in, g, T, K, mal, [&](int64_t t) -> int64_t {
+    return treq[t] >= 0 && treq[t] < c.B ? c.kvl[treq[t]] : 0;
+  });
   Frozen f_idx, f_treq;
   f_idx.take(idx.data(), idx.size() * 4, "indices");
   f_treq.take(treq.data(), treq.size() * 4, "token_req");

@@ -13,6 +13,33 @@
 namespace fz {
 namespace core = mla_native::core;
 
+// The engines a call may use: a subset of the build's (kEngineDefault), AMX only where the OS
+// grants it.
+inline int fuzz_engines(FuzzedDataProvider& in) {
+  int engine = in.ConsumeIntegralInRange<int>(0, 3) & core::kEngineDefault;
+  if ((engine & core::kEngineAmx) && !core::amx_available()) engine &= ~core::kEngineAmx;
+  return engine;
+}
+
+// An index list [T, K]: token t's entries -1 or below len_of(t), and where mal, malformed ones
+// (len_of(t), -2, INT32_MAX, INT32_MIN).
+template <typename LenOf>
+std::vector<int32_t> index_list(FuzzedDataProvider& in, Rng& g, int64_t T, int64_t K, bool mal, LenOf len_of) {
+  std::vector<int32_t> idx(static_cast<size_t>(T * K), -1);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t L = len_of(t);
+    for (int64_t k = 0; k < K; ++k) {
+      const int kind = in.ConsumeIntegralInRange<int>(0, 15);
+      int32_t& e = idx[t * K + k];
+      if (kind == 0) e = -1;
+      else if (mal && kind == 1) e = static_cast<int32_t>(in.ConsumeBool() ? L : -2);
+      else if (mal && kind == 2) e = in.ConsumeBool() ? INT32_MAX : INT32_MIN;
+      else if (L > 0) e = static_cast<int32_t>(g.range(0, std::min<int64_t>(L, INT32_MAX) - 1));
+    }
+  }
+  return idx;
+}
+
 struct LatentCall {
   int qdt = 0, mode = 0;
   int64_t H = 0, r = 0, rope = 0, B = 0, T = 0, ps = 1, np = 0, width = 0, rows = 0, bt_s0 = 0;
