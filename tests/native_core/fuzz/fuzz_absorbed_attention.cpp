@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   Rng g(in.ConsumeIntegral<uint64_t>());
   const int engine = fuzz_engines(in);
-  const int64_t splits = in.ConsumeIntegralInRange<int>(0, 3) == 0 ? in.ConsumeIntegralInRange<int64_t>(1, 9) : 0;
+  const int64_t splits = fuzz_splits(in);
   LatentCall c;
   c.make(in, g, true);
   core::Params P = c.params();

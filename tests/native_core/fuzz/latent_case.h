@@ -21,6 +21,11 @@ inline int fuzz_engines(FuzzedDataProvider& in) {
   return engine;
 }
 
+// The kv splits a call asks for: 0 (the core's choice) three calls in four, else 1 .. 9.
+inline int64_t fuzz_splits(FuzzedDataProvider& in) {
+  return in.ConsumeIntegralInRange<int>(0, 3) == 0 ? in.ConsumeIntegralInRange<int64_t>(1, 9) : 0;
+}
+
 // An index list [T, K]: token t's entries -1 or below len_of(t), and where mal, malformed ones
 // (len_of(t), -2, INT32_MAX, INT32_MIN).
 template <typename LenOf>
