@@ -20,20 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from .batch import MLABatch, Phase
 from .dims import MLADims
 from .keyset import KeyCache, keyset_attention
-from .ops import KernelImpl
-from .plan import MLAPlan, plan
-from .policy import Policy
+from .ops import KernelImpl, V4SlotCall
+from .plan import MLAPlan
 from .rope import rope_interleaved
-from .v4_cache import V4_HEAD_DIM, V4_ROPE, check_v4_cache, read_v4_rows
+from .selection import get_impl
+from .v4_cache import V4_HEAD_DIM, V4_ROW_DTYPES, check_v4_cache
 
 __all__ = ["v4_attention", "v4_attention_slots", "v4_dims", "visible_entries"]
-
-#: scratch rows per page of :func:`v4_attention_slots`' gathered cache
-_SCRATCH_PAGE = 64
-
 
 def v4_dims(num_heads: int, head_dim: int = 512, rope_dim: int = 64) -> MLADims:
     """The :class:`MLADims` of a V4 attention layer for :func:`mla_backend.plan`: the row's
@@ -120,18 +115,16 @@ def v4_attention_slots(
 ) -> torch.Tensor:
     """V4 attention over key sets given as flat slots of caches in V4's fp8 page layout
     (:mod:`mla_backend.v4_cache`): the contract of vLLM's CPU V4 attention op
-    (``flash_mla_with_kvcache_cpu``: window slots and compressed slots per token).
-
-    Every row a token lists is dequantized once into a scratch cache of q's dtype (its size is
-    the number of distinct rows listed: one host read of that count), then the key-set
-    primitive runs with each token's list over it: one softmax over every listed row of every
-    set and the sink, the row being key and value.
+    (``flash_mla_with_kvcache_cpu``: window slots and compressed slots per token). One softmax
+    over every distinct row each token lists in every set and the sink, the row being key and
+    value; the seam's ``v4_slot_attention`` (native: the rows read in place, a tile at a time).
 
     Args:
         q: [T, H, 512] bf16 / fp16 / fp32 queries (normalized and RoPE'd).
-        sets: per cache ``(cache, slots, page_size)``: ``cache`` uint8 [pages, >= page bytes]
-            in V4's page layout, ``slots`` [T, k] int32 / int64 flat slots ``page *
-            page_size + offset`` (-1 = none; a slot listed twice counts once).
+        sets: per cache ``(cache, slots, page_size)`` (one or two: the window cache, then the
+            compressed one): ``cache`` uint8 [pages, >= page bytes] in V4's page layout,
+            ``slots`` [T, k] int32 / int64 flat slots ``page * page_size + offset`` (-1 = none;
+            a slot listed twice counts once).
         sink: [H] float32 per-head sink logits.
         softmax_scale: scale of ``q·k``.
         out: optional [T, H, 512] buffer of q's dtype.
@@ -140,11 +133,16 @@ def v4_attention_slots(
         o [T, H, 512] (no output rotation: the caller applies V4's inverse RoPE); a token with
         no listed row gets 0.
     """
-    if q.dim() != 3 or q.shape[-1] != V4_HEAD_DIM:
-        raise ValueError(f"q {q.dtype} {tuple(q.shape)} is not supported: [T, H, {V4_HEAD_DIM}]")
+    if q.dim() != 3 or q.shape[-1] != V4_HEAD_DIM or q.dtype not in V4_ROW_DTYPES:
+        raise ValueError(
+            f"q {q.dtype} {tuple(q.shape)} is not supported: [T, H, {V4_HEAD_DIM}] of "
+            f"{', '.join(str(d) for d in V4_ROW_DTYPES)}"
+        )
     T, H, _ = q.shape
-    dev = q.device
-    rows, lists, base = [], [], 0
+    if not 1 <= len(sets) <= 2:
+        raise ValueError(f"{len(sets)} cache sets are not supported: the window cache's, then "
+                         "optionally the compressed cache's")  # fmt: skip
+    checked = []
     for cache, slots, page_size in sets:
         check_v4_cache(cache, page_size)
         if slots.dim() != 2 or slots.shape[0] != T or slots.dtype not in (torch.int32, torch.int64):
@@ -152,33 +150,17 @@ def v4_attention_slots(
                 f"slots {slots.dtype} {tuple(slots.shape)} are not supported: [T={T}, k] "
                 "int32 / int64"
             )
-        if slots.shape[1] == 0:
-            continue
-        live = slots >= 0
-        uniq, inverse = torch.unique(torch.where(live, slots.long(), -1), return_inverse=True)
-        has_none = bool(uniq.numel()) and int(uniq[0]) < 0  # the host read of the count
-        keep = uniq[1:] if has_none else uniq
-        rows.append(read_v4_rows(cache, page_size, keep, q.dtype))
-        idx = inverse - (1 if has_none else 0) + base
-        lists.append(torch.where(live, idx, -1))
-        base += keep.shape[0]
-    if out is None:
-        out = torch.empty((T, H, V4_HEAD_DIM), dtype=q.dtype, device=dev)
-    if base == 0 or T == 0:
-        return out.zero_()
-    n = max(base, T)  # the scratch request holds every row and ends at the step's tokens
-    pages = -(-n // _SCRATCH_PAGE)
-    scratch = torch.zeros(pages * _SCRATCH_PAGE, V4_HEAD_DIM, dtype=q.dtype, device=dev)
-    scratch[:base] = torch.cat(rows)
-    table = torch.arange(pages, dtype=torch.int32, device=dev).view(1, pages)
-    batch = MLABatch.build([pages * _SCRATCH_PAGE - T], [T], table, _SCRATCH_PAGE, Phase.MIXED,
-                           block_table_host=None if dev.type == "cpu" else table.cpu())  # fmt: skip
-    step = plan(batch, v4_dims(H), Policy("absorb"), device=dev, impl=impl)
-    indices = torch.cat(lists, dim=1).to(torch.int32)
-    nope = V4_HEAD_DIM - V4_ROPE
-    keyset_attention(
-        q[..., :nope], q[..., nope:], scratch.view(pages, _SCRATCH_PAGE, V4_HEAD_DIM), step,
-        softmax_scale, causal_range=False, indices=indices, sink=sink, value_is_key=True,
-        out=out,
-    )  # fmt: skip
-    return out
+        pages = cache if cache.dim() == 2 else cache.view(cache.shape[0], -1)
+        checked.append((pages, slots, int(page_size)))
+    if sink.dtype != torch.float32 or tuple(sink.shape) != (H,):
+        raise ValueError(f"sink {sink.dtype} {tuple(sink.shape)} is not supported: [H={H}] float32")
+    if out is not None and (
+        out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape) or out.device != q.device
+    ):
+        raise ValueError(
+            f"out {out.dtype} {tuple(out.shape)} on {out.device}: expected {tuple(q.shape)} "
+            f"{q.dtype} on {q.device}"
+        )
+    call = V4SlotCall(q, tuple(checked), sink, float(softmax_scale), out)
+    with torch.no_grad():
+        return get_impl(q.device, impl).v4_slot_attention(call)

@@ -87,3 +87,42 @@ def test_out_buffer_and_bad_input_named() -> None:
         v4_attention_slots(q, [(win, slots.float(), 4)], torch.zeros(2), 0.1)
     with pytest.raises(ValueError, match="uint8"):
         v4_attention_slots(q, [(win.float(), slots, 4)], torch.zeros(2), 0.1)
+
+
+@pytest.mark.parametrize(("T", "H", "k"), [(1, 40, 300), (3, 33, 130), (2, 128, 700)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_lists_many_heads_pooled_pages(kernels, T, H, k, dtype) -> None:
+    """Lists of several kv tiles (and kv splits), head counts across blocks of 32 and a partial
+    one, pages pooled at a stride past their bytes (vLLM's unified page size), a sink of -inf
+    on some heads: against the float64 reference."""
+    g = torch.Generator().manual_seed(T * 1000 + H + k)
+    page_size, pages = 16, 64
+    pooled = torch.zeros(pages, v4_page_bytes(page_size) + 3 * 576, dtype=torch.uint8)
+    win = pooled[:, : v4_page_bytes(page_size)]  # stride(0) > its bytes
+    write_v4_rows(win, page_size, torch.arange(pages * page_size),
+                  torch.randn(pages * page_size, V4_HEAD_DIM, generator=g))  # fmt: skip
+    comp = _cache(8, page_size, g)
+    sets = [
+        (win, torch.randint(-1, pages * page_size, (T, k), generator=g), page_size),
+        (comp, torch.randint(-1, 8 * page_size, (T, 40), generator=g), page_size),
+    ]
+    q = (torch.randn(T, H, V4_HEAD_DIM, generator=g) * 0.2).to(dtype)
+    sink = torch.randn(H, generator=g)
+    sink[::3] = float("-inf")
+    scale = V4_HEAD_DIM**-0.5
+    got = v4_attention_slots(q, sets, sink, scale, impl=kernels)
+    want = _reference(q.float(), sets, sink, scale)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_slot_past_its_cache_refused_naming_it(kernels) -> None:
+    g = torch.Generator().manual_seed(1)
+    win, comp = _cache(2, 4, g), _cache(1, 4, g)
+    q = torch.randn(2, 2, V4_HEAD_DIM, generator=g)
+    ok = torch.tensor([[0, 1], [2, -1]])
+    for sets in (
+        [(win, torch.tensor([[0, 8], [1, 2]]), 4)],  # 2 pages x 4 rows: slot 8 is past them
+        [(win, ok, 4), (comp, torch.tensor([[0, 1], [4, -1]]), 4)],
+    ):
+        with pytest.raises(RuntimeError, match=r"slot"):
+            v4_attention_slots(q, sets, torch.zeros(2), 0.1, impl=kernels)

@@ -28,10 +28,12 @@ from .base import (
     LatentWrite,
     MaskedMHACall,
     SparseCall,
+    V4SlotCall,
 )  # fmt: skip
 from .registry import IMPLS
 
 __all__ = [
     "IMPLS", "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl",
     "KeyCache", "KeySetCall", "KeyWindow", "LatentWrite", "MaskedMHACall", "SparseCall",
+    "V4SlotCall",
 ]  # fmt: skip

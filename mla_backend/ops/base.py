@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SEAM_METHODS", "AbsorbedCall", "IndexKeyWrite", "IndexerCall", "KernelImpl", "KeyCache",
     "KeySetCall", "KeyWindow", "LatentWrite", "MaskedMHACall", "PlanState", "SparseCall",
-    "StepShape", "check_declared", "served_by",
+    "StepShape", "V4SlotCall", "check_declared", "served_by",
 ]  # fmt: skip
 
 #: the seam's per-call methods, in the order ``info`` lists them: every implementation serves
@@ -53,6 +53,7 @@ SEAM_METHODS: tuple[str, ...] = (
     "absorb_q", "apply_W_UV", "write_latent", "absorbed_attention", "gather_latent",
     "decompress", "attention_with_lse", "write_index_keys", "indexer_logits", "indexer_topk",
     "sparse_absorbed_attention", "masked_attention_with_lse", "keyset_attention",
+    "v4_slot_attention",
 )  # fmt: skip
 #: the attribute a delegated method carries: the implementation whose code serves it
 DELEGATE_ATTR = "__seam_delegate__"
@@ -278,6 +279,32 @@ class KeySetCall:
         return a.q_lat.shape[-1] + (a.q_pe.shape[-1] if self.value_is_key else 0)
 
 
+@dataclass(frozen=True)
+class V4SlotCall:
+    """DeepSeek-V4 attention over flat slots of caches in V4's 584-byte fp8 page layout
+    (:mod:`mla_backend.v4_cache`), the contract of vLLM's CPU op ``flash_mla_with_kvcache_cpu``:
+    per query token, one softmax over the distinct rows it lists in each cache and the per-head
+    sink, the 512-wide row being key and value (no block table, no plan: the slots are the
+    metadata). Validated by :func:`mla_backend.v4_layer.v4_attention_slots`.
+
+    Attributes:
+        q: [T, H, 512] bf16 / fp16 / fp32 queries (normalized and RoPE'd).
+        sets: per cache ``(cache, slots, page_size)``: ``cache`` uint8 [num_pages, page_bytes]
+            (bytes contiguous within a page), ``slots`` [T, k] int32 / int64 flat slots ``page *
+            page_size + offset`` (negative = none; a slot listed twice counts once; each below
+            ``num_pages * page_size``), ``page_size`` its rows per page. The window cache first.
+        sink: [H] float32 per-head sink logits (finite, or -inf for none).
+        softmax_scale: scale of ``q . k``.
+        out: [T, H, 512] contiguous buffer of q's dtype, or None.
+    """
+
+    q: torch.Tensor
+    sets: tuple[tuple[torch.Tensor, torch.Tensor, int], ...]
+    sink: torch.Tensor
+    softmax_scale: float
+    out: torch.Tensor | None = None
+
+
 def _abstract_in(cls: type) -> list[str]:
     """The seam methods ``cls`` neither implements nor delegates (still :class:`KernelImpl`'s
     abstract ones)."""
@@ -446,3 +473,9 @@ class KernelImpl(ABC):
         """(o [T, H, dv] in q's dtype, lse [T, H] float32, the sink included), in
         ``call.attn.out`` / ``call.attn.lse`` when given (see :class:`KeySetCall`;
         :mod:`mla_backend.ops.torch.keyset_attention` states the semantics)."""
+
+    @abstractmethod
+    def v4_slot_attention(self, call: V4SlotCall) -> torch.Tensor:
+        """DeepSeek-V4 attention over flat slots of V4 fp8 caches: o [T, H, 512] in q's dtype,
+        in ``call.out`` when given; a token that lists no row gets 0 (see :class:`V4SlotCall`;
+        :mod:`mla_backend.ops.torch.v4_slot_attention` states the semantics)."""

@@ -24,7 +24,9 @@ engine), ``native_sparse_attention`` (``csrc/sparse_attention.cpp``, over the ab
 attention's engines), ``native_masked_attention_with_lse`` (``csrc/sparse_mha.cpp``: DSA's
 sparse MHA, the normal path's MHA with a per-row mask) and ``native_keyset_attention``
 (``csrc/keyset_attention.cpp``: absorbed attention over key sets -- windows, index lists into
-one or two caches, sinks -- over the absorbed attention's engines). Each op that takes a tensor
+one or two caches, sinks -- over the absorbed attention's engines) with
+``native_v4_slot_attention`` (the same file: DeepSeek-V4's fp8 rows read in place, per token
+flat slots into a window and a compressed cache). Each op that takes a tensor
 has a fake (meta) function (:data:`FAKES`), checked against the loaded build's schemas
 (:func:`schema_mismatches`), so ``torch.compile`` / ``FakeTensorMode`` treat them as opaque.
 """
@@ -209,6 +211,13 @@ def _keyset_attention(
     return None
 
 
+def _v4_slot_attention(
+    q, window_cache, window_slots, window_page_size, compressed_cache, compressed_slots,
+    compressed_page_size, sink, softmax_scale, num_kv_splits, engine, out, lse,
+):  # fmt: skip
+    return None
+
+
 #: op name -> its fake (every op of ``csrc/api.cpp`` with a tensor argument)
 FAKES: dict[str, Callable[..., Any]] = {
     "native_absorbed_attention": _absorbed_attention,
@@ -224,6 +233,7 @@ FAKES: dict[str, Callable[..., Any]] = {
     "native_indexer_logits": _indexer_logits,
     "native_sparse_attention": _sparse_attention,
     "native_keyset_attention": _keyset_attention,
+    "native_v4_slot_attention": _v4_slot_attention,
 }
 
 

@@ -29,6 +29,7 @@ from ..base import (
     MaskedMHACall,
     SparseCall,
     StepShape,
+    V4SlotCall,
 )  # fmt: skip
 from ..torch import DEFAULT as TORCH
 from ..torch import torch_default
@@ -252,3 +253,7 @@ class Kernels(KernelImpl):
         # (part.max_page_id); the op checks every window, index and second-cache page
         o, lse = native.keyset_attention(call, isa=self.level, engine=self.engine)
         return call.attn.deliver(o, lse)
+
+    def v4_slot_attention(self, call: V4SlotCall) -> torch.Tensor:
+        # the op checks every slot against its cache and each cache's page size
+        return native.v4_slot_attention(call, isa=self.level, engine=self.engine)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         LatentWrite,
         MaskedMHACall,
         SparseCall,
+        V4SlotCall,
     )  # fmt: skip
 
 
@@ -295,3 +296,30 @@ def keyset_attention(
         o, lse,
     )  # fmt: skip
     return o, lse
+
+
+def v4_slot_attention(
+    call: V4SlotCall, *, isa: str | None = None, engine: str | None = None
+) -> torch.Tensor:
+    """DeepSeek-V4 attention over flat slots of V4 fp8 caches, the rows read in place
+    (``csrc/keyset_attention.cpp``; the semantics of
+    :mod:`mla_backend.ops.torch.v4_slot_attention`): op ``native_v4_slot_attention`` on the
+    record's fields (the window cache's set first, then the compressed cache's, if any) -> o
+    [T, H, 512] in q's dtype (into ``call.out`` when given and contiguous). A slot past its cache
+    or a page too small for its rows raises RuntimeError naming it, before any read."""
+    level = require(isa)
+    q = call.q
+    T, H, D = q.shape
+    o = call.out if call.out is not None and call.out.is_contiguous() else torch.empty_like(q)
+    lse = torch.empty(T, H, dtype=torch.float32)
+    (win, wslots, wpage), *rest = call.sets
+    cache2, slots2, page2 = rest[0] if rest else (None, None, 1)
+    code = engine_code(attention_engine(level) if engine is None else engine)
+    op_namespace(level).native_v4_slot_attention(
+        q, win, wslots, int(wpage), cache2, slots2, int(page2), call.sink,
+        float(call.softmax_scale), 0, code, o, lse,
+    )  # fmt: skip
+    if call.out is not None and o is not call.out:
+        call.out.copy_(o)
+        return call.out
+    return o

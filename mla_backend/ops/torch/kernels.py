@@ -22,6 +22,7 @@ from ..base import (
     LatentWrite,
     MaskedMHACall,
     SparseCall,
+    V4SlotCall,
 )  # fmt: skip
 from . import (
     absorbed_attention,
@@ -32,6 +33,7 @@ from . import (
     paged,
     sparse_attention,
     sparse_mha,
+    v4_slot_attention,
 )  # fmt: skip
 from .cache_write import write_latent
 
@@ -98,6 +100,9 @@ class Kernels(KernelImpl):
 
     def keyset_attention(self, call: KeySetCall) -> tuple[torch.Tensor, torch.Tensor]:
         return keyset_attention.keyset_attention(call)
+
+    def v4_slot_attention(self, call: V4SlotCall) -> torch.Tensor:
+        return v4_slot_attention.v4_slot_attention(call)
 
 
 #: the torch implementation with its default tuning: the instance delegations run on

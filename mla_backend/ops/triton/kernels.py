@@ -68,6 +68,7 @@ class Kernels(KernelImpl):
     decompress = torch_default("decompress")
     attention_with_lse = torch_default("attention_with_lse")
     masked_attention_with_lse = torch_default("masked_attention_with_lse")
+    v4_slot_attention = torch_default("v4_slot_attention")  # vLLM's CPU V4 op contract
 
     def __init__(
         self,

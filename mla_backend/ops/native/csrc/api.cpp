@@ -52,6 +52,10 @@ TORCH_LIBRARY(MLA_OPS_NS, m) {
       "Tensor cu_seqlens_q, Tensor kv_lens, bool range, Tensor? window, Tensor? indices, Tensor? cache2, "
       "Tensor? block_table2, Tensor? lens2, Tensor? indices2, Tensor? sink, float softmax_scale, "
       "Tensor? kv_scale, int max_page_id, int num_kv_splits, int engine, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def(
+      "native_v4_slot_attention(Tensor q, Tensor window_cache, Tensor window_slots, int window_page_size, "
+      "Tensor? compressed_cache, Tensor? compressed_slots, int compressed_page_size, Tensor? sink, "
+      "float softmax_scale, int num_kv_splits, int engine, Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
@@ -68,4 +72,5 @@ TORCH_LIBRARY_IMPL(MLA_OPS_NS, CPU, m) {
   m.impl("native_sparse_attention", &mla_native::sparse_attention);
   m.impl("native_masked_attention_with_lse", &mla_native::masked_attention_with_lse);
   m.impl("native_keyset_attention", &mla_native::keyset_attention);
+  m.impl("native_v4_slot_attention", &mla_native::v4_slot_attention);
 }

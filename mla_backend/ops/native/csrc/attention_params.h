@@ -68,6 +68,9 @@ constexpr int kDsTile = 128;  // fp8_ds_mla: c_kv values per float32 scale (Cach
 constexpr int kPlain = 0;  // q's dtype
 constexpr int kFp8 = 1;    // float8_e4m3fn, one per-tensor scale
 constexpr int kDs = 2;     // fp8_ds_mla uint8 rows: e4m3 c_kv tiles, float32 tile scales, k_pe
+// DeepSeek-V4's fp8 rows (key-set attention only, keyset_attention.cpp: decoded a tile at a time
+// into q's dtype, then the kPlain engines): r = 512 (the whole row: value = key), rope = 0
+constexpr int kV4 = 3;
 
 // Engines (absorbed_attention's `engine`, a bit set; the torch op passes the one the Python
 // rule picks, mla_backend/ops/native/engine.py):

@@ -76,6 +76,13 @@ void keyset_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at:
                       const c10::optional<at::Tensor>& sink, double softmax_scale,
                       const c10::optional<at::Tensor>& kv_scale, int64_t max_page_id, int64_t num_kv_splits,
                       int64_t engine, const at::Tensor& out, const at::Tensor& lse);
+// keyset_attention.cpp: DeepSeek-V4 attention over flat slots of a window and a compressed cache
+// in V4's 584-byte fp8 page layout, read in place (vLLM's flash_mla_with_kvcache_cpu contract)
+void v4_slot_attention(const at::Tensor& q, const at::Tensor& window_cache, const at::Tensor& window_slots,
+                       int64_t window_page_size, const c10::optional<at::Tensor>& compressed_cache,
+                       const c10::optional<at::Tensor>& compressed_slots, int64_t compressed_page_size,
+                       const c10::optional<at::Tensor>& sink, double softmax_scale, int64_t num_kv_splits,
+                       int64_t engine, const at::Tensor& out, const at::Tensor& lse);
 
 // ---- shared by the torch layer -------------------------------------------------------------
 // the latent dtypes the absorbed attention and the cache write take (their errors name them)
