@@ -31,7 +31,7 @@ COMMANDS = {
     "gpu-run": ("gpu_run", "the one prepared GPU run: tests, benchmarks, sweep, summary"),
     "gpu-sparse": ("gpu_sparse", "DSA decode on a GPU (Triton): indexer + sparse vs dense"),
     "fp8-accuracy": ("fp8_accuracy", "where fp8 latent caches lose accuracy (no engine)"),
-    "v4": ("v4", "DeepSeek-V4 decode per layer kind (sliding, CSA + indexer, HCA), roofline"),
+    "v4": ("v4", "DeepSeek-V4 decode per layer kind, roofline; vs vLLM's own V4 CPU ops"),
 }
 
 
