@@ -9,6 +9,12 @@
 // the fp64 attention over the token's set, each distinct position of a cache counted once (an
 // index repeated, or inside the causal range, adds nothing), with the sink; inputs untouched. The
 // second cache is the main cache's pages read through another table (rows of one format).
+//
+// One input in four runs core::v4_slot_attention instead (fuzz_v4: DeepSeek-V4's 584-byte fp8
+// rows read in place, vLLM's per-token flat slots into a window and a compressed cache): fuzzed
+// page sizes, page bytes and strides (pooled pages, some too small), slots past their cache,
+// repeated and negative ones; refusal exactly for malformed calls, else every row against the
+// fp64 attention over the distinct rows each token lists, decoded here from the bytes.
 #include "latent_case.h"
 #define MLA_CORE_ONLY 1
 #include "keyset_attention.cpp"
@@ -17,11 +23,156 @@
 
 using namespace fz;
 
+// One V4 cache of fuzz_v4: its pages (exact bytes: the last page ends at page_bytes), slots.
+struct V4Cache {
+  int64_t ps = 1, np = 0, page_bytes = 0, stride = 0, K = 0;
+  std::vector<uint8_t> bytes;
+  std::vector<int64_t> slots;  // [T, K]
+  // the row at slot s decoded in fp64: e4m3 x 2^(scale byte - 127), then the bf16 RoPE part
+  std::vector<double> row(int64_t s) const {
+    const uint8_t* page = bytes.data() + (s / ps) * stride;
+    const uint8_t* d = page + (s % ps) * 576;
+    const uint8_t* sc = page + ps * 576 + (s % ps) * 8;
+    std::vector<double> v(512);
+    for (int64_t j = 0; j < 448; ++j) v[j] = std::ldexp(static_cast<double>(e4m3_f(d[j])), sc[j / 64] - 127);
+    for (int64_t j = 0; j < 64; ++j) {
+      uint16_t h;
+      std::memcpy(&h, d + 448 + 2 * j, 2);
+      v[448 + j] = bf16_f(h);
+    }
+    return v;
+  }
+};
+
+static int fuzz_v4(FuzzedDataProvider& in, Rng& g, int engine, int64_t splits) {
+  constexpr float kScale = 0.0625f;  // softmax scale
+  const bool mal = in.ConsumeIntegralInRange<int>(0, 3) == 0;
+  const int qdt = in.ConsumeIntegralInRange<int>(0, 2);
+  const int64_t T = in.ConsumeIntegralInRange<int64_t>(0, 3), H = in.ConsumeIntegralInRange<int64_t>(1, 40);
+  const int64_t threads = in.ConsumeIntegralInRange<int64_t>(1, 3);
+  bool valid = true;
+  V4Cache cs[2];
+  for (int k = 0; k < 2; ++k) {
+    V4Cache& c = cs[k];
+    c.ps = in.ConsumeIntegralInRange<int64_t>(1, 6);
+    c.np = in.ConsumeIntegralInRange<int64_t>(0, 3);
+    c.K = in.ConsumeIntegralInRange<int64_t>(0, k == 0 ? 9 : 5);
+    const int64_t used = c.ps * 584;
+    c.page_bytes = used + in.ConsumeIntegralInRange<int64_t>(0, 1) * 8;
+    c.stride = c.page_bytes + in.ConsumeIntegralInRange<int64_t>(0, 2) * 100;
+    if (mal && in.ConsumeIntegralInRange<int>(0, 7) == 0) c.page_bytes = used - 1, c.stride = std::max(c.stride, used);
+    if (mal && in.ConsumeIntegralInRange<int>(0, 7) == 0) c.stride = used - 8;
+    if (mal && in.ConsumeIntegralInRange<int>(0, 15) == 0) c.ps = 0;
+    if (c.ps >= 1 && c.K > 0) {
+      if (c.np > 0 && c.page_bytes < used) valid = false;
+      if (c.np > 1 && c.stride < used) valid = false;
+    }
+    if (c.ps < 1) valid = false;
+    const int64_t n = c.np * std::max<int64_t>(c.ps, 1);
+    c.bytes.assign(static_cast<size_t>(c.np > 0 ? (c.np - 1) * c.stride + c.page_bytes : 0), 0);
+    for (auto& b : c.bytes) b = static_cast<uint8_t>(g.next());  // padding and unlisted rows: anything
+    c.slots.assign(static_cast<size_t>(T * c.K), -1);
+    for (auto& s : c.slots) {
+      const int kind = in.ConsumeIntegralInRange<int>(0, 15);
+      if (kind == 0) s = -1;
+      else if (kind == 1) s = -static_cast<int64_t>(g.range(2, 1 << 20));
+      else if (mal && kind == 2) s = in.ConsumeBool() ? n : INT64_MAX;
+      else if (n > 0) s = g.range(0, n - 1);
+      if (s >= n) valid = false;
+    }
+    if (c.ps < 1 || c.page_bytes < used) continue;
+    for (int64_t s : c.slots) {  // the rows read: finite e4m3 values, scales near 1, finite bf16
+      if (s < 0 || s >= n) continue;
+      uint8_t* page = c.bytes.data() + (s / c.ps) * c.stride;
+      uint8_t* d = page + (s % c.ps) * 576;
+      for (int64_t j = 0; j < 448; ++j) d[j] = f_e4m3(g.val(2.0f));
+      for (int64_t j = 0; j < 64; ++j) {
+        const uint16_t h = f_bf16(g.val(2.0f));
+        std::memcpy(d + 448 + 2 * j, &h, 2);
+      }
+      for (int64_t j = 0; j < 7; ++j) page[c.ps * 576 + (s % c.ps) * 8 + j] = static_cast<uint8_t>(g.range(121, 130));
+    }
+  }
+  const int64_t qes = dt_size(qdt), q_s1 = 512 + in.ConsumeIntegralInRange<int64_t>(0, 1) * 16;
+  std::vector<uint8_t> q(static_cast<size_t>(std::max<int64_t>(T * H * q_s1 * qes, 1)));
+  for (int64_t e = 0; e < T * H * q_s1; ++e) put(q.data() + e * qes, qdt, g.val(0.1f));
+  std::vector<float> sink;
+  if (in.ConsumeBool()) {
+    sink.resize(static_cast<size_t>(H));
+    for (auto& x : sink) x = in.ConsumeIntegralInRange<int>(0, 7) == 0 ? -kInf : g.val(3.0f);
+  }
+  std::vector<uint8_t> out(static_cast<size_t>(T * H * 512 * qes), kCanary);
+  std::vector<float> lse(static_cast<size_t>(T * H), kNaN);
+  core::V4Slots vs[2];
+  for (int k = 0; k < 2; ++k) {
+    const V4Cache& c = cs[k];
+    vs[k].cache = reinterpret_cast<const char*>(c.bytes.data());
+    vs[k].num_pages = c.np, vs[k].page_bytes = c.page_bytes, vs[k].page_stride = c.stride, vs[k].page_size = c.ps;
+    vs[k].slots = c.slots.data(), vs[k].K = c.K, vs[k].slots_s0 = c.K;
+  }
+  Frozen fq, fc0, fc1, fs0, fs1;
+  fq.take(q.data(), q.size(), "q"), fc0.take(cs[0].bytes.data(), cs[0].bytes.size(), "window cache");
+  fc1.take(cs[1].bytes.data(), cs[1].bytes.size(), "compressed cache");
+  fs0.take(cs[0].slots.data(), cs[0].slots.size() * 8, "window slots");
+  fs1.take(cs[1].slots.data(), cs[1].slots.size() * 8, "compressed slots");
+  const std::string err = core::v4_slot_attention(
+      reinterpret_cast<const char*>(q.data()), T, H, H * q_s1 * qes, q_s1 * qes, static_cast<core::DType>(qdt), vs[0],
+      vs[1], sink.empty() ? nullptr : sink.data(), kScale, splits, reinterpret_cast<char*>(out.data()),
+      lse.data(), make_parallel<core::Parallel>(threads), engine & core::kEngineBf16);
+  fq.check(), fc0.check(), fc1.check(), fs0.check(), fs1.check();
+  if (!valid) {
+    FZ_CHECK(!err.empty(), "a malformed v4 slot call was accepted (T %lld, K %lld / %lld)", (long long)T,
+             (long long)cs[0].K, (long long)cs[1].K);
+    for (uint8_t b : out) FZ_CHECK(b == kCanary, "a refused v4 slot call wrote out: %s", err.c_str());
+    return 0;
+  }
+  FZ_CHECK(err.empty(), "a valid v4 slot call was refused: %s", err.c_str());
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::vector<double>> rows;  // the distinct rows token t lists, per cache
+    for (const V4Cache& c : cs) {
+      std::set<int64_t> seen;
+      for (int64_t j = 0; j < c.K; ++j)
+        if (c.slots[t * c.K + j] >= 0 && seen.insert(c.slots[t * c.K + j]).second) rows.push_back(c.row(c.slots[t * c.K + j]));
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const double sk = sink.empty() ? -INFINITY : sink[h];
+      const uint8_t* qr = q.data() + (t * H * q_s1 + h * q_s1) * qes;
+      std::vector<double> s(rows.size()), o(512, 0.0);
+      double mx = sk, vmax = 0;
+      for (size_t c = 0; c < rows.size(); ++c) {
+        double dot = 0;
+        for (int64_t d = 0; d < 512; ++d) dot += get(qr + d * qes, qdt) * rows[c][d], vmax = std::max(vmax, std::fabs(rows[c][d]));
+        s[c] = dot * kScale;
+        mx = std::max(mx, s[c]);
+      }
+      double sum = sk > -INFINITY ? std::exp(sk - mx) : 0.0;
+      for (size_t c = 0; c < rows.size(); ++c) {
+        const double p = std::exp(s[c] - mx);
+        sum += p;
+        for (int64_t d = 0; d < 512; ++d) o[d] += p * rows[c][d];
+      }
+      const double ref_lse = rows.empty() && sk == -INFINITY ? -INFINITY : mx + std::log(sum);
+      const float got_lse = lse[t * H + h];
+      FZ_CHECK(ref_lse == -INFINITY ? got_lse == -INFINITY : std::fabs(got_lse - ref_lse) <= 1e-3 + 1e-5 * std::fabs(ref_lse),
+               "v4 row (%lld, %lld) of %zu rows: lse %.7g, reference %.7g", (long long)t, (long long)h, rows.size(),
+               got_lse, ref_lse);
+      const double tol = (2 * dt_eps(qdt) + 1e-5) * vmax + 1e-30;
+      for (int64_t d = 0; d < 512; ++d) {
+        const double want = rows.empty() ? 0.0 : o[d] / sum, have = get(out.data() + ((t * H + h) * 512 + d) * qes, qdt);
+        FZ_CHECK(std::fabs(have - want) <= tol, "v4 row (%lld, %lld) of %zu rows: out[%lld] = %.7g, reference %.7g (qdt %d)",
+                 (long long)t, (long long)h, rows.size(), (long long)d, have, want, qdt);
+      }
+    }
+  }
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   Rng g(in.ConsumeIntegral<uint64_t>());
   const int engine = fuzz_engines(in);
   const int64_t splits = fuzz_splits(in);
+  if (in.ConsumeIntegralInRange<int>(0, 3) == 0) return fuzz_v4(in, g, engine, splits);
   LatentCall c;
   c.make(in, g, in.ConsumeIntegralInRange<int>(0, 3) == 0);
   const bool mal = in.ConsumeIntegralInRange<int>(0, 3) == 0;

@@ -466,7 +466,9 @@ inline std::string v4_slot_attention(const char* q, int64_t T, int64_t H, int64_
   P.cu = cu, P.kvl = kvl;
   P.qlat = q, P.ql_s0 = q_s0, P.ql_s1 = q_s1;
   P.qpe = nullptr, P.qp_s0 = 0, P.qp_s1 = 0;
-  P.cache = win.cache, P.c_s0 = win.page_stride, P.c_s1 = kV4Nope + 2 * kV4Rope;
+  // rows are addressed from P.cache: a window cache with no pages (none of its slots is valid)
+  // lends the compressed cache's base
+  P.cache = win.num_pages > 0 ? win.cache : comp.cache, P.c_s0 = win.page_stride, P.c_s1 = kV4Nope + 2 * kV4Rope;
   P.row_bytes = kV4Nope + 2 * kV4Rope;
   P.score_scale = softmax_scale, P.out_scale = 1.0f;
   P.out = out, P.lse = lse, P.sink = sink;
