@@ -69,8 +69,9 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "MLA_BACKEND_V4_OPS", "0", "vllm adapter",
-        "1: serve every vLLM DeepSeek-V4 CPU op with ours (set by the adapter for the engine "
-        "processes when mla_absorb serves a V4 model; 0: only the ops vLLM's build lacks)",
+        "which of vLLM's DeepSeek-V4 CPU ops ours replace (set by the adapter for the engine "
+        "processes when mla_absorb serves a V4 model): all (or 1); faster: the attention and the "
+        "indexer logits; 0: none (ours serve only the ops vLLM's build lacks)",
     ),
     Variable(
         "MLA_BACKEND_SGLANG_QK", "split", "sglang adapter",

@@ -93,18 +93,23 @@ def register() -> None:
         from mla_backend_integrations.vllm.sparse import make_indexer_op
 
         compat.register_indexer_op(make_indexer_op)
-        supply_v4(override=current().flag("v4_ops"))
+        supply_v4(current().v4_ops)
 
 
-#: set (to "1") by a process whose engine config selects MLA_ABSORB for DeepSeek-V4, inherited
-#: by the engine processes it starts: their plugin then serves V4's ops with ours
+#: set by a process whose engine config selects MLA_ABSORB for DeepSeek-V4 ("faster" or
+#: "all", :func:`v4_ops_mode`), inherited by the engine processes it starts: their plugin then
+#: serves those of V4's ops with ours
 V4_OPS_ENV = "MLA_BACKEND_V4_OPS"
+#: the V4 ops ours serve faster than vLLM's own AVX512-BF16 kernels (``python -m benchmarks
+#: v4``: the attention over the 584-byte rows read in place, the indexer's paged logits)
+V4_FASTER_OPS = ("flash_mla_with_kvcache_cpu", "fp8_paged_mqa_logits_cpu")
 
 
-def supply_v4(override: bool = False) -> None:
+def supply_v4(mode: str = "0") -> None:
     """DeepSeek-V4 on this CPU: vLLM's V4 CPU ops computed by the core (:mod:`.v4_ops`) and
-    in torch (:mod:`.v4_model_ops`): the ones this vLLM build lacks, or (``override``: the
-    engine selected ``MLA_ABSORB``) all of them; and its metadata builders without Triton."""
+    in torch (:mod:`.v4_model_ops`), each where this vLLM build lacks it, and in place of
+    vLLM's own by ``mode`` (:data:`V4_OPS_ENV`): "0" none, "faster" :data:`V4_FASTER_OPS`,
+    "all" (or "1") every one; and its metadata builders without Triton."""
     from mla_backend_integrations.vllm import v4_model_ops, v4_ops
 
     ops = {
@@ -112,9 +117,31 @@ def supply_v4(override: bool = False) -> None:
         for module in (v4_ops, v4_model_ops)
         for name, schema in module.SCHEMAS.items()
     }
-    compat.supply_v4_cpu_ops(ops, override=override)
+    if mode not in ("0", "", "faster", "all", "1"):
+        raise ValueError(f"{V4_OPS_ENV}={mode!r} is not supported: 0, faster or all")
+    replace = set(ops) if mode in ("all", "1") else set(V4_FASTER_OPS if mode == "faster" else ())
+    compat.supply_v4_cpu_ops({k: v for k, v in ops.items() if k in replace}, override=True)
+    compat.supply_v4_cpu_ops(ops, override=False)
     compat.patch_v4_cpu_metadata()
     compat.patch_v4_tile_scheduler_keys()
+
+
+def v4_ops_mode(model_config: Any) -> str:
+    """Which of vLLM's V4 CPU ops ours replace for this model (:func:`supply_v4`): "all" where
+    vLLM's own kernels cannot run it (they take bf16 only, 64-384 routed experts and 6-9 of them
+    per token), else "faster" (its own kernels for the rest)."""
+    import torch
+
+    hf = getattr(model_config, "hf_text_config", None)
+    experts = getattr(hf, "n_routed_experts", None)
+    per_token = getattr(hf, "num_experts_per_tok", None)
+    if (
+        getattr(model_config, "dtype", None) != torch.bfloat16
+        or not isinstance(experts, int) or not 64 <= experts <= 384
+        or not isinstance(per_token, int) or not 6 <= per_token <= 9
+    ):  # fmt: skip
+        return "all"
+    return "faster"
 
 
 def is_v4(model_config: Any) -> bool:
@@ -286,12 +313,13 @@ def prepare_cpu_config(vllm_config: Any) -> None:
     validate_engine_config(vllm_config)
     if is_v4(getattr(vllm_config, "model_config", None)):
         vllm_config.attention_config.backend = None
-        os.environ[V4_OPS_ENV] = "1"  # the engine processes this one starts
-        supply_v4(override=True)  # this process (an in-process engine)
+        mode = v4_ops_mode(vllm_config.model_config)
+        os.environ[V4_OPS_ENV] = mode  # the engine processes this one starts
+        supply_v4(mode)  # this process (an in-process engine)
         logger.info(
-            "%s: DeepSeek-V4 runs vLLM's V4 model path, its CPU ops (attention, caches, "
-            "compressors, mHC, routers) served by mla_backend",
-            BACKEND_NAME,
-        )
+            "%s: DeepSeek-V4 runs vLLM's V4 model path, its CPU ops served by mla_backend: %s",
+            BACKEND_NAME, "every one" if mode == "all" else
+            f"{', '.join(V4_FASTER_OPS)}, and those this vLLM build lacks",
+        )  # fmt: skip
         return
     compat.force_native_rope(vllm_config)

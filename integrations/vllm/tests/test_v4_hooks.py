@@ -140,3 +140,25 @@ def test_build_prefill_chunk_metadata(seed: int, ratio: int, dcp: int, rank: int
         for c in range(int(comp[b])):
             want_t2s[int(cu[b]) + c] = b
     assert ks.tolist() == want_ks and ke.tolist() == want_ke and t2s.tolist() == want_t2s
+
+
+def test_v4_ops_mode_replaces_vllms_kernels_only_where_they_cannot_run_the_model() -> None:
+    """With mla_absorb, ours replace vLLM's own V4 CPU kernels for the attention and the
+    indexer logits (faster, benchmarks v4); every op only where vLLM's kernels refuse the model
+    (not bf16, routed experts outside 64-384, top-k outside 6-9)."""
+    from types import SimpleNamespace as NS
+
+    from mla_backend_integrations.vllm.plugin import V4_FASTER_OPS, supply_v4, v4_ops_mode
+
+    def cfg(dtype: torch.dtype, experts: int, per_token: int) -> NS:
+        return NS(dtype=dtype, hf_text_config=NS(n_routed_experts=experts,
+                                                 num_experts_per_tok=per_token))  # fmt: skip
+
+    assert v4_ops_mode(cfg(torch.bfloat16, 256, 8)) == "faster"
+    assert v4_ops_mode(cfg(torch.bfloat16, 384, 6)) == "faster"
+    for bad in (cfg(torch.float32, 256, 8), cfg(torch.float16, 256, 8), cfg(torch.bfloat16, 4, 2),
+                cfg(torch.bfloat16, 512, 8), cfg(torch.bfloat16, 256, 10)):  # fmt: skip
+        assert v4_ops_mode(bad) == "all"
+    assert set(V4_FASTER_OPS) == {"flash_mla_with_kvcache_cpu", "fp8_paged_mqa_logits_cpu"}
+    with pytest.raises(ValueError, match="MLA_BACKEND_V4_OPS='some'"):
+        supply_v4("some")
