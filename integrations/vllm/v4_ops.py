@@ -31,6 +31,8 @@ The non-attention ops (mHC, routers, the grouped output GEMM) are :mod:`.v4_mode
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import mla_backend as mb
@@ -38,7 +40,9 @@ from mla_backend import compressor as cz
 from mla_backend.fp8 import quantize_fp8_groups
 from mla_backend.index_cache import IndexCacheLayout
 from mla_backend.indexer_rows import indexer_logits_rows, topk_rows
+from mla_backend.ops import KernelImpl
 from mla_backend.rope import rope_interleaved
+from mla_backend.selection import get_impl
 from mla_backend.v4_cache import V4_HEAD_DIM, write_v4_rows
 from mla_backend.v4_layer import v4_attention_slots
 
@@ -125,6 +129,13 @@ def fused_qnorm_rope_kv_insert_cpu(
     return out
 
 
+@functools.cache
+def _cpu_kernels() -> KernelImpl:
+    """The engine process's CPU kernels, resolved once: vLLM calls the attention op per layer
+    with no per-step hook, and resolving reads the configuration's environment each time."""
+    return get_impl(torch.device("cpu"))
+
+
 def flash_mla_with_kvcache_cpu(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -144,7 +155,8 @@ def flash_mla_with_kvcache_cpu(
     sets = [(window_cache_2d, window_slots, window_block_size)]
     if compressed_slots.shape[-1]:
         sets.append((compressed_cache_2d, compressed_slots, compressed_block_size))
-    v4_attention_slots(q, sets, attn_sink[:H].float().contiguous(), scale, out=out)
+    v4_attention_slots(q, sets, attn_sink[:H].float().contiguous(), scale, out=out,
+                       impl=_cpu_kernels())  # fmt: skip
 
 
 def inverse_gptj_rope_o_proj_cpu(
