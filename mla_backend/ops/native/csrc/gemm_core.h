@@ -107,7 +107,13 @@ struct APanel {
   int64_t kpairs;
 };
 
-inline int64_t a_panel_elems(int64_t K) { return round_up(kMaxRows, 16) * round_up(std::max<int64_t>(K, 1), kKAlign); }
+// One spare row past the panel: the fp32 kernels' compiled code (kernel_widen<4> at the scalar
+// level, seen under valgrind in the indexer's GEMM) loads a pair from the row after the last one
+// its block uses; nothing read there reaches C, but at the end of an allocation that ends on a
+// page boundary the load faulted (an intermittent segfault at scalar).
+inline int64_t a_panel_elems(int64_t K) {
+  return (round_up(kMaxRows, 16) + 1) * round_up(std::max<int64_t>(K, 1), kKAlign);
+}
 
 // A[m, k] = src[m * sm + k * sk] (bf16), m < M, k < K; zero padding.
 // Rows past M are zeroed up to a whole AMX tile only where gemm() takes the tiles (M >=
